@@ -1,0 +1,12 @@
+"""Gradients for Relax primitives that TVM 0.27 leaves without one.
+
+The decompositions in :mod:`rlx_tvm.ops` only emit primitives with a registered gradient, so that
+``relax.transform.Gradient`` can run on a decomposed backward graph (second and higher order).
+Each rule is registered with :func:`fill_gradient`, only if the op has no gradient yet, so a
+future TVM that ships its own keeps it.
+"""
+
+from ._register import fill_gradient, has_gradient
+from . import attention, elementwise, nn, reduce, scatter, shape  # noqa: F401  (registration on import)
+
+__all__ = ["fill_gradient", "has_gradient"]

@@ -1,0 +1,190 @@
+"""Numerical checking helpers for rlx ops: build many cases into one module, compile once, run.
+
+``import tvm`` and each ``tvm.compile`` cost seconds, so tests batch every case of an op family
+into one IRModule (one Relax function per case) and compile it once per (dtype, shape mode,
+path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+
+from .ops.registry import get_op
+from .passes import DecomposeBackwardOps
+
+TOLERANCES = {
+    # (rtol, atol relative to the reference's max magnitude)
+    "float32": (2e-4, 2e-5),
+    "float64": (1e-9, 1e-11),
+}
+
+
+@dataclass
+class Case:
+    """One call of one op with concrete inputs.
+
+    ``inputs`` maps input names to arrays; float arrays are cast to the dtype under test, integer
+    arrays keep theirs. ``batch`` says which dims become the shared symbolic var ``n`` in the
+    symbolic-shape variant: ``{"x": 0}`` or ``{"cos": (0, 8)}`` for ``n * 8``; None keeps the case
+    static-only.
+    """
+
+    op: str
+    inputs: dict[str, np.ndarray]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    batch: dict[str, Any] | None = None
+    label: str = ""
+    # For finite differences: forward(**primals) -> y, where primals are the op's inputs other
+    # than the cotangent plus ``fd_extra`` (forward inputs the backward op does not take, e.g.
+    # gamma for layer_norm_backward_gamma, or x for cumsum_backward); ``wrt`` names the primal
+    # the op differentiates with respect to; ``cotangent`` names the op's cotangent input.
+    forward: Callable[..., np.ndarray] | None = None
+    wrt: str | None = None
+    cotangent: str = "dy"
+    fd_extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.op
+
+    def reference(self, dtype: str = "float64") -> np.ndarray:
+        ins = self.cast_inputs(dtype)
+        return np.asarray(get_op(self.op).reference_fn(**ins, **self.attrs), dtype=np.float64)
+
+    def cast_inputs(self, dtype: str) -> dict[str, np.ndarray]:
+        return {k: (v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v) for k, v in self.inputs.items()}
+
+
+def _symbolic_shape(shape, spec, n):
+    shape = [int(d) for d in shape]
+    if spec is None:
+        return shape
+    axis, factor = (spec, 1) if isinstance(spec, int) else spec
+    out = list(shape)
+    out[axis] = n if factor == 1 else n * factor
+    return out
+
+
+def build_module(cases: Sequence[Case], dtype: str, symbolic: bool) -> tvm.IRModule:
+    """One Relax function ``case_<i>`` per case, calling the op on its parameters."""
+    bb = relax.BlockBuilder()
+    for i, case in enumerate(cases):
+        n = tirx.Var("n", "int64")
+        params = []
+        for name, arr in case.cast_inputs(dtype).items():
+            spec = (case.batch or {}).get(name) if symbolic else None
+            shape = _symbolic_shape(arr.shape, spec, n)
+            params.append(relax.Var(name, relax.TensorType(shape, str(arr.dtype))))
+        with bb.function(f"case_{i}", params):
+            with bb.dataflow():
+                out = bb.emit(get_op(case.op)(**dict(zip(case.inputs, params)), **case.attrs))
+                gv = bb.emit_output(out)
+            bb.emit_func_output(gv)
+    return bb.get()
+
+
+def build_loss_module(case: Case, dtype: str) -> tvm.IRModule:
+    """``main(inputs...) -> sum(op(inputs...)**2)``: a scalar to differentiate through the op."""
+    bb = relax.BlockBuilder()
+    params = [relax.Var(k, relax.TensorType(list(v.shape), str(v.dtype))) for k, v in case.cast_inputs(dtype).items()]
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit(get_op(case.op)(**dict(zip(case.inputs, params)), **case.attrs))
+            loss = bb.emit_output(relax.op.sum(out * out))
+        bb.emit_func_output(loss)
+    return bb.get()
+
+
+def compile_and_run(mod: tvm.IRModule, cases: Sequence[Case], dtype: str, target: str = "llvm") -> list[np.ndarray]:
+    ex = tvm.compile(mod, target=target)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    outs = []
+    for i, case in enumerate(cases):
+        args = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in case.cast_inputs(dtype).values()]
+        outs.append(vm[f"case_{i}"](*args).numpy())
+    return outs
+
+
+def run_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str) -> list[np.ndarray]:
+    """Outputs of every case through ``path``: "fused" (FLegalize kernels) or "decomposed"."""
+    cases = [c for c in cases if c.batch is not None] if symbolic else list(cases)
+    mod = build_module(cases, dtype, symbolic)
+    if path == "decomposed":
+        mod = DecomposeBackwardOps(include_forward=True)(mod)
+    elif path != "fused":
+        raise ValueError(path)
+    return compile_and_run(mod, cases, dtype)
+
+
+def compare(out: np.ndarray, ref: np.ndarray, dtype: str) -> str | None:
+    """None if ``out`` matches ``ref`` within the dtype's tolerance, else a short report."""
+    rtol, atol_rel = TOLERANCES[dtype]
+    ref = np.asarray(ref, dtype=np.float64)
+    out64 = np.asarray(out, dtype=np.float64)
+    if out64.shape != ref.shape:
+        return f"shape {out64.shape} != reference {ref.shape}"
+    if not np.all(np.isfinite(out64)):
+        return "non-finite values in output"
+    atol = atol_rel * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
+    err = np.abs(out64 - ref)
+    bad = err > atol + rtol * np.abs(ref)
+    if bad.any():
+        return f"max abs err {err.max():.3g} (atol {atol:.2g}, rtol {rtol:g}) at {int(bad.sum())} of {bad.size} elements"
+    return None
+
+
+def check_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str) -> None:
+    """Assert every case matches its NumPy reference; report all failures at once."""
+    selected = [c for c in cases if c.batch is not None] if symbolic else list(cases)
+    assert selected, "no cases selected"
+    outs = run_cases(selected, dtype, symbolic=symbolic, path=path)
+    failures = []
+    for case, out in zip(selected, outs):
+        problem = compare(out, case.reference(dtype), dtype)
+        if problem:
+            failures.append(f"{case.name}: {problem}")
+    assert not failures, f"{len(failures)} of {len(selected)} cases differ ({dtype}, symbolic={symbolic}, {path}):\n" + "\n".join(failures)
+
+
+def finite_difference_vjp(
+    forward: Callable[..., np.ndarray], primals: dict[str, np.ndarray], wrt: str, cotangent: np.ndarray, eps: float = 1e-6
+) -> np.ndarray:
+    """d/d primals[wrt] of sum(forward(**primals) * cotangent) by fp64 central differences."""
+    base = {k: (v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v) for k, v in primals.items()}
+    p = base[wrt].copy()
+    grad = np.zeros_like(p)
+    flat, gflat = p.reshape(-1), grad.reshape(-1)
+    ct = np.asarray(cotangent, dtype=np.float64)
+    for i in range(flat.size):
+        orig = flat[i]
+        flat[i] = orig + eps
+        hi = np.sum(forward(**{**base, wrt: p}) * ct)
+        flat[i] = orig - eps
+        lo = np.sum(forward(**{**base, wrt: p}) * ct)
+        flat[i] = orig
+        gflat[i] = (hi - lo) / (2 * eps)
+    return grad
+
+
+def check_finite_differences(cases: Sequence[Case], rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Every case with a ``forward``: the op's fused fp64 output equals the finite-difference VJP
+    of the forward."""
+    selected = [c for c in cases if c.forward is not None]
+    assert selected, "no cases with a forward"
+    outs = run_cases(selected, "float64", symbolic=False, path="fused")
+    failures = []
+    for case, out in zip(selected, outs):
+        ins = case.cast_inputs("float64")
+        primals = {k: v for k, v in ins.items() if k != case.cotangent}
+        primals.update({k: np.asarray(v, dtype=np.float64) for k, v in case.fd_extra.items()})
+        fd = finite_difference_vjp(case.forward, primals, case.wrt, ins[case.cotangent])
+        scale = max(1.0, float(np.max(np.abs(fd))))
+        if out.shape != fd.shape or not np.allclose(out, fd, rtol=rtol, atol=atol * scale):
+            err = np.max(np.abs(out - fd)) if out.shape == fd.shape else f"shape {out.shape} vs {fd.shape}"
+            failures.append(f"{case.name}: max abs err vs finite differences {err}")
+    assert not failures, f"{len(failures)} of {len(selected)} cases differ from finite differences:\n" + "\n".join(failures)
