@@ -6,7 +6,7 @@ Each rule is registered with :func:`fill_gradient`, only if the op has no gradie
 future TVM that ships its own keeps it.
 """
 
-from ._register import fill_gradient, has_gradient
+from ._register import fill_gradient, has_gradient, override_gradient
 from . import attention, elementwise, nn, reduce, scatter, shape  # noqa: F401  (registration on import)
 
-__all__ = ["fill_gradient", "has_gradient"]
+__all__ = ["fill_gradient", "has_gradient", "override_gradient"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from tvm import te, tirx
+from tvm import relax, te, tirx
 
 from ._math import NumpyMath, RelaxMath, TirMath, _np_erf, acc_dtype, tensor_dtype
 from .registry import Attr, check_choice, define_op
@@ -255,3 +255,69 @@ def _activation_backward_decompose(bb, x, dy, *, kind):
 @activation_backward.fused
 def _activation_backward_fused(bb, x, dy, *, kind):
     return _fused(bb, x, dy, kind)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient rules: relax.transform.Gradient emits these ops for Relax's own activations
+# --------------------------------------------------------------------------------------------
+
+# Relax elementwise op -> kind. Level 20 overrides TVM's level-10 rules where it has one (its
+# relu rule passes dy at x == 0, PyTorch gives 0).
+RELAX_ACTIVATIONS = {
+    "relax.nn.relu": "relu",
+    "relax.nn.gelu": "gelu",
+    "relax.nn.gelu_tanh": "gelu_tanh",
+    "relax.nn.silu": "silu",
+    "relax.sigmoid": "sigmoid",
+    "relax.tanh": "tanh",
+    "relax.exp": "exp",
+    "relax.log": "log",
+    "relax.sqrt": "sqrt",
+    "relax.rsqrt": "rsqrt",
+    "relax.abs": "abs",
+    "relax.sin": "sin",
+    "relax.cos": "cos",
+    "relax.tan": "tan",
+    "relax.atan": "atan",
+    "relax.erf": "erf",
+    "relax.round": "round",
+    "relax.floor": "floor",
+    "relax.ceil": "ceil",
+    "relax.sign": "sign",
+}
+GRADIENT_LEVEL = 20
+
+
+def _activation_gradient(kind: str):
+    def rule(orig_var, orig_call, output_grad, ctx):
+        (x,) = orig_call.args[:1]
+        if kind == "relu":
+            return [relu_backward(x, output_grad)]
+        return [activation_backward(x, output_grad, kind=kind)]
+
+    rule.__doc__ = f"d {kind}(x) -> rlx.activation_backward(x, dy, kind={kind!r})"
+    return rule
+
+
+def _softplus_gradient(orig_var, orig_call, output_grad, ctx):
+    """softplus(x; beta, threshold): sigmoid(beta x) below the threshold, 1 above (PyTorch)."""
+    (x,) = orig_call.args
+    beta = float(orig_call.attrs.beta)
+    threshold = float(orig_call.attrs.threshold)
+    if beta == 1.0 and threshold >= 40.0:  # sigmoid(40) == 1 in float64: plain softplus
+        return [activation_backward(x, output_grad, kind="softplus")]
+    dtype = tensor_dtype(x)
+    bx = relax.op.multiply(x, relax.const(beta, dtype))
+    slope = relax.op.where(relax.op.greater(bx, relax.const(threshold, dtype)), relax.op.ones_like(x), relax.op.sigmoid(bx))
+    return [relax.op.multiply(output_grad, slope)]
+
+
+def _register_gradients():
+    from ..gradients import override_gradient
+
+    for op_name, kind in RELAX_ACTIVATIONS.items():
+        override_gradient(op_name, _activation_gradient(kind), GRADIENT_LEVEL)
+    override_gradient("relax.nn.softplus", _softplus_gradient, GRADIENT_LEVEL)
+
+
+_register_gradients()
