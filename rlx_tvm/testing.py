@@ -17,6 +17,10 @@ from tvm import relax, tirx
 from .ops.registry import get_op
 from .passes import DecomposeBackwardOps
 
+# Numerical checks compile without LLVM's optimizations: the TensorIR under test is the same, and
+# building is ~3x faster. (The demo, the example model and the benchmarks build at full opt-level.)
+CHECK_TARGET = {"kind": "llvm", "opt-level": 0}
+
 TOLERANCES = {
     # (rtol, atol relative to the reference's max magnitude)
     "float32": (2e-4, 2e-5),
@@ -54,7 +58,10 @@ class Case:
 
     def reference(self, dtype: str = "float64") -> np.ndarray:
         ins = self.cast_inputs(dtype)
-        return np.asarray(get_op(self.op).reference_fn(**ins, **self.attrs), dtype=np.float64)
+        opdef = get_op(self.op)
+        # References receive every attribute, defaults filled in, exactly as the kernels do.
+        attrs = {k: v for k, v in opdef.normalize_attrs(self.attrs).items() if v is not None or k in self.attrs}
+        return np.asarray(opdef.reference_fn(**ins, **attrs), dtype=np.float64)
 
     def cast_inputs(self, dtype: str) -> dict[str, np.ndarray]:
         return {k: (v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v) for k, v in self.inputs.items()}
@@ -100,8 +107,8 @@ def build_loss_module(case: Case, dtype: str) -> tvm.IRModule:
     return bb.get()
 
 
-def compile_and_run(mod: tvm.IRModule, cases: Sequence[Case], dtype: str, target: str = "llvm") -> list[np.ndarray]:
-    ex = tvm.compile(mod, target=target)
+def compile_and_run(mod: tvm.IRModule, cases: Sequence[Case], dtype: str, target="llvm") -> list[np.ndarray]:
+    ex = tvm.compile(mod, target=tvm.target.Target(target))
     vm = relax.VirtualMachine(ex, tvm.cpu())
     outs = []
     for i, case in enumerate(cases):
@@ -110,7 +117,7 @@ def compile_and_run(mod: tvm.IRModule, cases: Sequence[Case], dtype: str, target
     return outs
 
 
-def run_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str) -> list[np.ndarray]:
+def run_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str, target=None) -> list[np.ndarray]:
     """Outputs of every case through ``path``: "fused" (FLegalize kernels) or "decomposed"."""
     cases = [c for c in cases if c.batch is not None] if symbolic else list(cases)
     mod = build_module(cases, dtype, symbolic)
@@ -118,7 +125,7 @@ def run_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str) -> l
         mod = DecomposeBackwardOps(include_forward=True)(mod)
     elif path != "fused":
         raise ValueError(path)
-    return compile_and_run(mod, cases, dtype)
+    return compile_and_run(mod, cases, dtype, target=CHECK_TARGET if target is None else target)
 
 
 def compare(out: np.ndarray, ref: np.ndarray, dtype: str) -> str | None:

@@ -12,7 +12,7 @@ from . import registry
 from .registry import OpDef, OpError, all_ops, get_op, is_rlx_call
 
 # One module per op family; importing it declares its ops.
-from . import activation, attention, conv, indexing, loss, norm, pool, quantize, rope  # noqa: E402,F401
+from . import activation, attention, conv, indexing, loss, norm, pool, quantize, rope, scan  # noqa: E402,F401
 
 
 def _install_tvmscript_namespace() -> None:
@@ -29,11 +29,9 @@ def _install_tvmscript_namespace() -> None:
 
 _install_tvmscript_namespace()
 
+# The op builders, ``rlx_tvm.ops.<name>(...)``. Some ops share their family module's name
+# (``attention``, ``rope``): the builder wins the attribute, the module stays importable as
+# ``rlx_tvm.ops.attention`` through ``sys.modules``.
+globals().update({o.name: o for o in all_ops()})
+
 __all__ = ["OpDef", "OpError", "all_ops", "get_op", "is_rlx_call", "registry"] + [o.name for o in all_ops()]
-
-
-def __getattr__(name):  # builders for every registered op: rlx_tvm.ops.<name>(...)
-    try:
-        return get_op(name)
-    except KeyError:
-        raise AttributeError(name) from None

@@ -195,8 +195,13 @@ class TensorArg:
         return int(d.value) if isinstance(d, tvm.tirx.IntImm) else None
 
 
+def fmt_dim(d) -> str:
+    """A dim as users write it: ``6``, ``n``, ``n * 8`` (not ``T.int64(6)``)."""
+    return str(int(d)) if isinstance(d, (int, tvm.tirx.IntImm)) else str(d)
+
+
 def fmt_shape(shape: Sequence) -> str:
-    return "[" + ", ".join(str(int(d)) if isinstance(d, (int, tvm.tirx.IntImm)) else str(d) for d in shape) + "]"
+    return "[" + ", ".join(fmt_dim(d) for d in shape) + "]"
 
 
 class InferContext:
@@ -283,7 +288,7 @@ class InferContext:
     def dim_equals(self, t: TensorArg, axis: int, value, what: str) -> None:
         if self.provably_different(t.dim(axis), value):
             raise self.error(
-                t.name, f"dim {axis} == {value} ({what})", f"{t.dim(axis)} (shape {fmt_shape(t.shape)})"
+                t.name, f"dim {axis} == {fmt_dim(value)} ({what})", f"{fmt_dim(t.dim(axis))} (shape {fmt_shape(t.shape)})"
             )
 
     # -- output -------------------------------------------------------------------------------

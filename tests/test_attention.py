@@ -1,0 +1,426 @@
+import functools
+import math
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from rlx_tvm.ops import OpError, get_op
+from rlx_tvm.passes import DecomposeBackwardOps
+from rlx_tvm.testing import (
+    Case,
+    GradCase,
+    build_loss_module,
+    build_module,
+    compile_and_run,
+    compare,
+    check_finite_differences,
+    check_gradients,
+    finite_difference_vjp,
+)
+
+from .helpers import MATRIX, assert_op_error, emit_call, tensor_var
+
+# The builders (``rlx_tvm.ops.attention`` is the family's module, not the op).
+attention_op = get_op("attention")
+attention_backward_op = get_op("attention_backward")
+
+
+# -- the definition, written independently of rlx_tvm (SPEC §5) --------------------------------
+
+
+def attention_np(q, k, v, bias=None, *, causal_mask=None, window_size=None, scale=None, softcap=None):
+    """Row by row from the definition: which keys a query sees, then a softmax over those."""
+    B, Sq, H, D = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    bias = np.zeros((B, H, Sq, Sk)) if bias is None else np.broadcast_to(bias, (B, H, Sq, Sk))
+    out = np.zeros((B, Sq, H, Dv))
+    for b in range(B):
+        for h in range(H):
+            kv = h // (H // Hkv)
+            for i in range(Sq):
+                pos = i + (Sk - Sq if causal_mask == "BottomRight" else 0)
+                keys = [
+                    j for j in range(Sk)
+                    if (causal_mask is None or j <= pos) and (window_size is None or j >= pos - window_size)
+                ]
+                if not keys:
+                    continue  # a fully masked row outputs 0
+                s = scale * (k[b, keys, kv] @ q[b, i, h])
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                s = s + bias[b, h, i, keys]
+                p = np.exp(s - s.max())
+                out[b, i, h] = (p / p.sum()) @ v[b, keys, kv]
+    return out
+
+
+# -- cases ----------------------------------------------------------------------------------------
+
+
+def _dims(**over):
+    d = dict(B=2, Sq=3, Sk=4, H=2, Hkv=2, D=3, Dv=3)
+    d.update(over)
+    return d
+
+
+# Every option appears with the forward and each of wrt = q, k, v; several share a case so that
+# every function compiled counts (each costs a few hundred ms of LLVM time).
+# (label, dims, attrs, bias shape ("full" = [B, H, Sq, Sk]) or None, which dim is symbolic in the
+# symbolic-shape variant: "B", "Sq" or None for static only)
+OPTIONS = [
+    ("plain", _dims(), {}, None, "B"),
+    ("top_left+scale+bias[Sq,Sk]", _dims(Sq=3, Sk=5), {"causal_mask": "TopLeft", "scale": 0.37}, (3, 5), "B"),
+    ("bottom_right+softcap+bias+Dv", _dims(Sq=3, Sk=5, Dv=2), {"causal_mask": "BottomRight", "softcap": 0.7},
+     "full", "B"),
+    ("window+gqa+bias[1,H,1,Sk]", _dims(H=4, Hkv=2), {"window_size": 1}, (1, 4, 1, 4), None),
+    # A symbolic query length: the BottomRight offset Sk - Sq is symbolic too.
+    ("bottom_right+window+mqa+scale+softcap", _dims(Sq=3, Sk=5, H=3, Hkv=1),
+     {"causal_mask": "BottomRight", "window_size": 1, "scale": 1.3, "softcap": 1.1}, None, "Sq"),
+    ("top_left+window", _dims(Sq=4, Sk=3), {"causal_mask": "TopLeft", "window_size": 1}, None, None),
+    # BottomRight with Sq > Sk: queries 0 and 1 (absolute positions -2, -1) see no key.
+    ("fully_masked", _dims(Sq=4, Sk=2), {"causal_mask": "BottomRight"}, None, "B"),
+]
+# Same inputs as "plain" (same seed), other attributes: a gradient that ignored them would equal
+# plain's.
+TRAP_VARIANTS = [("scale", {"scale": 0.37}), ("softcap", {"softcap": 0.7})]
+
+
+def _inputs(dims, bias_shape, rng):
+    d = dims
+    ins = {
+        "q": rng.standard_normal((d["B"], d["Sq"], d["H"], d["D"])),
+        "k": rng.standard_normal((d["B"], d["Sk"], d["Hkv"], d["D"])),
+        "v": rng.standard_normal((d["B"], d["Sk"], d["Hkv"], d["Dv"])),
+        "dy": rng.standard_normal((d["B"], d["Sq"], d["H"], d["Dv"])),
+    }
+    if bias_shape == "full":
+        bias_shape = (d["B"], d["H"], d["Sq"], d["Sk"])
+    if bias_shape is not None:
+        ins["bias"] = rng.standard_normal(bias_shape)
+    return ins
+
+
+def _batch(ins, dim):
+    """Case.batch for a symbolic B (in every input that carries it; a broadcast bias keeps its 1)
+    or a symbolic Sq (q and dy; no bias)."""
+    if dim is None:
+        return None
+    if dim == "Sq":
+        assert "bias" not in ins
+        return {name: 1 for name in ("q", "dy") if name in ins}
+    spec = {name: 0 for name in ("q", "k", "v", "dy") if name in ins}
+    if "bias" in ins and ins["bias"].ndim == 4 and ins["bias"].shape[0] == ins["q"].shape[0]:
+        spec["bias"] = 0
+    return spec
+
+
+def _forward_fn(attrs):
+    return lambda q, k, v, bias=None: attention_np(q, k, v, bias, **attrs)
+
+
+def _op_cases(label, ins, attrs, symbolic_dim, wrts="qkv", forward=True, fd=True):
+    fwd_ins = {n: a for n, a in ins.items() if n != "dy"}
+    cases = []
+    if forward:
+        cases.append(Case("attention", fwd_ins, attrs, batch=_batch(fwd_ins, symbolic_dim), label=f"attention[{label}]"))
+    cases += [
+        Case("attention_backward", ins, {"wrt": w, **attrs}, batch=_batch(ins, symbolic_dim),
+             label=f"attention_backward[{label}, wrt={w}]", forward=_forward_fn(attrs) if fd else None, wrt=w)
+        for w in wrts
+    ]
+    return cases
+
+
+def _cases():
+    cases = []
+    for seed, (label, dims, attrs, bias_shape, symbolic_dim) in enumerate(OPTIONS):
+        cases += _op_cases(label, _inputs(dims, bias_shape, np.random.default_rng(seed)), attrs, symbolic_dim)
+    plain = _inputs(_dims(), None, np.random.default_rng(0))
+    for label, attrs in TRAP_VARIANTS:
+        # Their options have finite-difference cases above already.
+        cases += _op_cases(label, plain, attrs, None, wrts="qk", forward=False, fd=False)
+    return cases
+
+
+CASES = _cases()
+BY_NAME = {c.name: i for i, c in enumerate(CASES)}
+
+
+# LLVM at opt-level 0 compiles these kernels ~3x faster than the default -O3, and the matrix
+# compiles every case eight times; the finite-difference and gradient-rule tests below compile
+# with the default target, so both levels are exercised.
+FAST_LLVM = tvm.target.Target({"kind": "llvm", "opt-level": 0})
+
+
+def _run(cases, dtype, symbolic, path):
+    """rlx_tvm.testing.run_cases, compiled for FAST_LLVM."""
+    cases = [c for c in cases if c.batch is not None] if symbolic else list(cases)
+    mod = build_module(cases, dtype, symbolic)
+    if path == "decomposed":
+        mod = DecomposeBackwardOps(include_forward=True)(mod)
+    return compile_and_run(mod, cases, dtype, target=FAST_LLVM)
+
+
+@functools.lru_cache(maxsize=None)
+def _outputs(dtype, symbolic, path):
+    """Every case's output through one path: compiled once, shared by the tests below."""
+    return _run(CASES, dtype, symbolic, path)
+
+
+def _output(name, dtype="float64", path="fused"):
+    return _outputs(dtype, False, path)[BY_NAME[name]]
+
+
+@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
+def test_matches_reference(dtype, shape_mode, path):
+    # check_cases, on outputs shared with the trap tests (run_cases drops static-only cases
+    # from the symbolic variant, as check_cases does).
+    symbolic = shape_mode == "symbolic"
+    selected = [c for c in CASES if c.batch is not None] if symbolic else CASES
+    failures = [
+        f"{c.name}: {problem}"
+        for c, out in zip(selected, _outputs(dtype, symbolic, path))
+        if (problem := compare(out, c.reference(dtype), dtype))
+    ]
+    assert not failures, f"{len(failures)} of {len(selected)} cases differ ({dtype}, {shape_mode}, {path}):\n" + "\n".join(failures)
+
+
+def test_finite_differences():
+    check_finite_differences(CASES)
+
+
+def test_reference_forward_matches_definition():
+    for c in CASES:
+        if c.op == "attention":
+            np.testing.assert_allclose(c.reference(), attention_np(**c.inputs, **c.attrs), rtol=1e-12, atol=1e-12,
+                                       err_msg=c.name)
+
+
+def test_every_option_and_wrt_is_covered():
+    """Each option with the forward and with finite-difference cases for wrt = q, k and v."""
+
+    def has(pred):
+        checked = [c for c in CASES if c.op == "attention" or c.forward is not None]
+        return {c.attrs.get("wrt") for c in checked if pred(c.attrs, c.inputs)} >= {None, "q", "k", "v"}
+
+    assert has(lambda a, i: not ({"causal_mask", "window_size"} & set(a)))
+    assert has(lambda a, i: a.get("causal_mask") == "TopLeft")
+    assert has(lambda a, i: a.get("causal_mask") == "BottomRight" and i["k"].shape[1] > i["q"].shape[1])
+    assert has(lambda a, i: a.get("causal_mask") == "BottomRight" and i["k"].shape[1] < i["q"].shape[1])
+    assert has(lambda a, i: "window_size" in a and "causal_mask" not in a)
+    assert has(lambda a, i: "window_size" in a and "causal_mask" in a)
+    assert has(lambda a, i: "scale" in a)
+    assert has(lambda a, i: "softcap" in a)
+    assert has(lambda a, i: "bias" in i)
+    assert has(lambda a, i: i["q"].shape[2] > i["k"].shape[2])  # GQA
+    assert has(lambda a, i: i["q"].shape[3] != i["v"].shape[3])  # Dv != D
+
+
+def test_float16_accumulates_in_float32():
+    cases = [CASES[BY_NAME[n]] for n in (
+        "attention[bottom_right+window+mqa+scale+softcap]",
+        "attention_backward[bottom_right+softcap+bias+Dv, wrt=q]",
+        "attention_backward[window+gqa+bias[1,H,1,Sk], wrt=k]",
+    )]
+    for path in ("fused", "decomposed"):
+        for c, out in zip(cases, _run(cases, "float16", False, path)):
+            assert out.dtype == np.float16
+            ref = c.reference("float16")
+            np.testing.assert_allclose(out.astype(np.float64), ref, rtol=2e-2, atol=2e-2 * max(1.0, np.abs(ref).max()),
+                                       err_msg=f"{path} {c.name}")
+
+
+# -- SPEC §8 traps (the cases are in CASES, so the matrix and finite-difference tests check their
+# values; these tests check that each trap is really exercised, through both paths) -------------
+
+PATHS = ("fused", "decomposed")
+
+
+@pytest.mark.parametrize("wrt", ["q", "k"])
+def test_non_default_scale_and_softcap_enter_the_gradient(wrt):
+    for path in PATHS:
+        plain = _output(f"attention_backward[plain, wrt={wrt}]", path=path)
+        for label, _ in TRAP_VARIANTS:
+            other = _output(f"attention_backward[{label}, wrt={wrt}]", path=path)
+            assert np.abs(other - plain).max() > 1e-2, (path, label)
+
+
+def test_sliding_window_and_bottom_right_masks():
+    for path in PATHS:
+        # TopLeft with Sk = 5 > Sq = 3: keys 3 and 4 are visible to no query, so no gradient and
+        # no contribution; BottomRight (queries at the end): the last query sees every key.
+        dk = _output("attention_backward[top_left+scale+bias[Sq,Sk], wrt=k]", path=path)
+        assert np.all(dk[:, 3:] == 0) and np.abs(dk[:, :3]).min() > 0, path
+        dk = _output("attention_backward[bottom_right+softcap+bias+Dv, wrt=k]", path=path)
+        assert np.abs(dk[:, 4]).max() > 1e-3, path
+        # BottomRight, window 1, Sk = 5: query i (absolute i + 2) sees keys i + 1 and i + 2 only.
+        dv = _output("attention_backward[bottom_right+window+mqa+scale+softcap, wrt=v]", path=path)
+        assert np.all(dv[:, 0] == 0) and np.all(np.abs(dv[:, 1:]).max(axis=(0, 2, 3)) > 1e-3), path
+        # A window without a causal mask lets a query see the keys after it (j >= i - 1).
+        dv = _output("attention_backward[window+gqa+bias[1,H,1,Sk], wrt=v]", path=path)
+        assert np.abs(dv[:, 3]).max() > 1e-3, path
+        # TopLeft window 1 with Sq = 4 > Sk = 3: query 3 sees key 2 only, query 0 key 0 only.
+        dq = _output("attention_backward[top_left+window, wrt=q]", path=path)
+        out = _output("attention[top_left+window]", path=path)
+        c = CASES[BY_NAME["attention[top_left+window]"]]
+        np.testing.assert_allclose(out[:, 3], c.inputs["v"][:, 2], rtol=1e-12, err_msg=path)
+        np.testing.assert_allclose(out[:, 0], c.inputs["v"][:, 0], rtol=1e-12, err_msg=path)
+        assert np.all(dq[:, 0] == 0) and np.all(dq[:, 3] == 0), path  # a single key: softmax is constant
+
+
+def test_grouped_query_heads_sum_over_their_group():
+    """GQA (H=4, Hkv=2) equals multi-head attention with each kv head repeated for its group,
+    with dK and dV summed over the group."""
+    label = "window+gqa+bias[1,H,1,Sk]"
+    gqa = [CASES[BY_NAME[f"attention_backward[{label}, wrt={w}]"]] for w in "qkv"]
+    mha = []
+    for c in gqa:
+        ins = dict(c.inputs)
+        ins["k"], ins["v"] = np.repeat(ins["k"], 2, axis=2), np.repeat(ins["v"], 2, axis=2)
+        mha.append(Case("attention_backward", ins, c.attrs, label=c.name + "[mha]"))
+    for path in PATHS:
+        dq, dk, dv = (_output(c.name, path=path) for c in gqa)
+        mq, mk, mv = _run(mha, "float64", False, path)
+        np.testing.assert_allclose(dq, mq, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(dk, mk.reshape(2, 4, 2, 2, 3).sum(axis=3), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(dv, mv.reshape(2, 4, 2, 2, 3).sum(axis=3), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fully_masked_rows_are_exactly_zero(dtype):
+    """Queries 0 and 1 see no key: their output and dQ rows are exactly 0, nothing is NaN, and
+    (checked by the finite differences) their dy rows reach neither dK nor dV."""
+    for path in PATHS:
+        out, dq, dk, dv = (_output(n, dtype, path) for n in (
+            "attention[fully_masked]", *(f"attention_backward[fully_masked, wrt={w}]" for w in "qkv")))
+        for name, r in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+            assert np.all(np.isfinite(r)), (path, name)
+        assert np.all(out[:, :2] == 0) and np.abs(out[:, 2:]).max() > 1e-3, path
+        assert np.all(dq[:, :2] == 0) and np.abs(dq[:, 2:]).max() > 1e-3, path
+
+
+def test_fully_masked_rows_stay_finite_under_autodiff_of_the_decomposition():
+    """Gradient of the decomposed forward and (second order) of the decomposed backward: finite,
+    zero for the masked queries, and equal to finite differences."""
+    fwd, bwd_q = (CASES[BY_NAME[n]] for n in ("attention[fully_masked]", "attention_backward[fully_masked, wrt=q]"))
+    for case, loss_np in (
+        (fwd, lambda **kw: np.sum(attention_np(**kw, **fwd.attrs) ** 2)),
+        # The backward reference is itself checked against finite differences of the definition.
+        (bwd_q, lambda **kw: np.sum(attention_backward_op.reference_fn(**kw, **bwd_q.attrs) ** 2)),
+    ):
+        mod = DecomposeBackwardOps(include_forward=True)(build_loss_module(case, "float64"))
+        mod = relax.transform.Gradient("main", require_grads=list(mod["main"].params[:3]))(mod)
+        vm = relax.VirtualMachine(tvm.compile(mod, FAST_LLVM), tvm.cpu())
+        _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in case.inputs.values()])
+        for name, g in zip("qkv", grads):
+            g = g.numpy()
+            assert np.all(np.isfinite(g)), (case.name, name)
+            fd = finite_difference_vjp(loss_np, dict(case.inputs), name, np.asarray(1.0))
+            np.testing.assert_allclose(g, fd, rtol=1e-5, atol=1e-6, err_msg=f"{case.name} d/d{name}")
+        assert np.all(grads[0].numpy()[:, :2] == 0), case.name
+
+
+# -- gradient rules: relax.transform.Gradient emits attention_backward --------------------------
+
+
+def _weighted(fn):
+    return lambda q, k, v, w, *rest: relax.op.sum(relax.op.multiply(fn(q, k, v, *rest), w))
+
+
+def _grad_cases():
+    rng = np.random.default_rng(15)
+    ins = _inputs(_dims(), "full", rng)
+    mha = {n: ins[n] for n in "qkv"}
+    w = rng.standard_normal(ins["dy"].shape)
+    g = _inputs(_dims(H=4, Hkv=2, Dv=2), "full", rng)
+    return [
+        GradCase("R.nn.attention(TopLeft, scale, bias)", {**mha, "w": w, "bias": ins["bias"]},
+                 _weighted(lambda q, k, v, bias: relax.op.nn.attention(q, k, v, bias, scale=0.5, causal_mask="TopLeft")),
+                 wrt=["q", "k", "v"]),
+        GradCase("rlx.attention(GQA, softcap, window, bias)",
+                 {"q": g["q"], "k": g["k"], "v": g["v"], "w": g["dy"], "bias": g["bias"]},
+                 _weighted(lambda q, k, v, bias: attention_op(q, k, v, bias, causal_mask="BottomRight", window_size=1,
+                                                              softcap=0.9, scale=1.2)),
+                 wrt=["q", "k", "v"]),
+    ]
+
+
+def test_gradient_rules_match_finite_differences():
+    # float64 only: the float32 kernels are covered by the matrix.
+    check_gradients(_grad_cases(), "float64")
+
+
+def test_nn_attention_gradient_refuses_tvms_bottom_right_when_sq_exceeds_sk():
+    q, k = tensor_var("q", (1, 4, 2, 3), "float64"), tensor_var("k", (1, 2, 2, 3), "float64")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k]):
+        with bb.dataflow():
+            out = bb.emit(relax.op.nn.attention(q, k, k, causal_mask="BottomRight"))
+            loss = bb.emit_output(relax.op.sum(out))
+        bb.emit_func_output(loss)
+    with pytest.raises(OpError, match="Sk >= query length Sq"):
+        relax.transform.Gradient("main")(bb.get())
+
+
+def test_tvmscript_round_trip_with_every_attribute():
+    cases = [CASES[BY_NAME[n]] for n in (
+        "attention[bottom_right+window+mqa+scale+softcap]", "attention_backward[bottom_right+softcap+bias+Dv, wrt=k]")]
+    for symbolic in (False, True):
+        mod = build_module(cases, "float32", symbolic)
+        text = mod.script()
+        assert "R.rlx.attention(" in text and 'causal_mask="BottomRight"' in text and 'wrt="k"' in text, text
+        tvm.ir.assert_structural_equal(mod, tvm.script.from_source(text))
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def _qkv(q=(2, 3, 4, 8), k=(2, 5, 2, 8), v=(2, 5, 2, 6), dtype="float32"):
+    return tensor_var("q", q, dtype), tensor_var("k", k, dtype), tensor_var("v", v, dtype)
+
+
+def test_bad_input_heads_not_divisible():
+    assert_op_error(lambda: attention_op(*_qkv(q=(2, 3, 4, 8), k=(2, 5, 3, 8), v=(2, 5, 3, 6))),
+                    "attention", "k", "Hkv = 3")
+
+
+def test_bad_input_rank():
+    assert_op_error(lambda: attention_op(*_qkv(q=(2, 3, 32))), "attention", "q", "rank 4", "rank 3")
+    assert_op_error(lambda: attention_backward_op(*_qkv(v=(2, 5, 12)), tensor_var("dy", (2, 3, 4, 6)), wrt="q"),
+                    "attention_backward", "v", "rank 4")
+
+
+def test_bad_input_mismatched_shapes():
+    assert_op_error(lambda: attention_op(*_qkv(k=(2, 5, 2, 7))), "attention", "k", "head dim", "7")
+    assert_op_error(lambda: attention_op(*_qkv(v=(3, 5, 2, 6))), "attention", "v", "batch", "3")
+    assert_op_error(lambda: attention_op(*_qkv(v=(2, 4, 2, 6))), "attention", "v", "key length", "4")
+    assert_op_error(lambda: attention_backward_op(*_qkv(), tensor_var("dy", (2, 3, 4, 8)), wrt="k"),
+                    "attention_backward", "dy", "[2, 3, 4, 6]", "[2, 3, 4, 8]")
+
+
+def test_bad_input_dtype():
+    q, k, v = _qkv()
+    assert_op_error(lambda: attention_op(q, k, tensor_var("v", (2, 5, 2, 6), "float64")), "attention", "v", "float64")
+    assert_op_error(lambda: attention_op(*_qkv(dtype="int32")), "attention", "q", "int32")
+
+
+def test_bad_input_attributes():
+    dy = tensor_var("dy", (2, 3, 4, 6))
+    assert_op_error(lambda: attention_backward_op(*_qkv(), dy, wrt="bias"), "attention_backward", "wrt", "bias")
+    assert_op_error(lambda: attention_backward_op(*_qkv(), dy), "attention_backward", "wrt", "required")
+    assert_op_error(lambda: attention_op(*_qkv(), causal_mask="Causal"), "attention", "causal_mask", "Causal")
+    assert_op_error(lambda: attention_op(*_qkv(), window_size=-1), "attention", "window_size", "-1")
+    assert_op_error(lambda: attention_op(*_qkv(), softcap=0.0), "attention", "softcap", "> 0")
+    assert_op_error(lambda: attention_op(*_qkv(), softcap=-2.0), "attention", "softcap", "> 0")
+
+
+def test_bad_input_bias_not_broadcastable():
+    q, k, v = _qkv()
+    for shape in [(2, 4, 3, 4), (2, 3, 3, 5), (1, 2, 1, 1, 5), (4, 5)]:
+        assert_op_error(lambda: attention_op(q, k, v, tensor_var("bias", shape)), "attention", "bias",
+                        "broadcastable to [B, H, Sq, Sk] = [2, 4, 3, 5]")
+    for shape in [(2, 4, 3, 5), (1, 4, 1, 5), (3, 5), (5,)]:  # these broadcast
+        emit_call(attention_op(q, k, v, tensor_var("bias", shape)))

@@ -1,0 +1,375 @@
+"""fake_quantize and fake_quantize_backward.
+
+No finite-difference check applies to fake_quantize_backward: every ``ste`` is a surrogate
+gradient (a straight-through estimator), not the derivative of fake_quantize, whose true
+derivative is 0 almost everywhere (a step function). Instead the op is checked against an
+independent NumPy implementation of the SPEC §2 formulas, written literally below.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from rlx_tvm import autodiff, ops
+from rlx_tvm.ops import get_op
+from rlx_tvm.passes import count_rlx_calls
+from rlx_tvm.testing import Case, GradCase, check_gradients, compare, run_cases
+
+from .helpers import MATRIX, assert_op_error, tensor_var
+
+RNG = np.random.default_rng(5)
+STES = ("identity", "clipped", "tanh", "hardtanh")
+
+
+# -- an independent NumPy implementation of SPEC §2, written literally ----------------------------
+
+
+def spec_scale(x, bits, axis):
+    """s = max(max|x| / q, 1e-12), one per tensor or per index of ``axis`` (max over all other axes)."""
+    q = 2 ** (bits - 1) - 1
+    if axis is None:
+        return q, max(np.abs(x).max() / q, 1e-12)
+    moved = np.moveaxis(np.abs(x), axis, 0).reshape(x.shape[axis], -1)
+    s = np.maximum(moved.max(axis=1) / q, 1e-12)
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    return q, s.reshape(shape)
+
+
+def spec_fake_quantize(x, bits, axis=None):
+    q, s = spec_scale(x, bits, axis)
+    return np.clip(np.round(x / s), -q, q) * s  # half to even, as the kernels round
+
+
+def spec_backward(x, dy, bits, axis=None, ste="identity"):
+    q, s = spec_scale(x, bits, axis)
+    if ste == "identity":
+        return dy
+    if ste == "clipped":
+        return dy * (np.abs(x) <= q * s)
+    if ste == "tanh":
+        return dy * (1 - np.tanh(x / s) ** 2)
+    return dy * np.maximum(0, 1 - np.abs(x) / (q * s))
+
+
+# -- inputs -------------------------------------------------------------------------------------------
+
+
+def quant_input(shape, bits, axis=None, rng=RNG):
+    """Random values whose slices (along ``axis``, or the whole tensor) differ in magnitude by
+    powers of 4, each with its max|x| an exact multiple of q, so that ``m / q * q == m`` holds in
+    every float dtype (the SPEC's literal ``q*s`` then equals the max exactly), and with no
+    element within 2% of a step of a rounding tie (float32 and float64 round alike)."""
+    q = 2 ** (bits - 1) - 1
+    x = rng.uniform(-1, 1, shape)
+    slices = x[None] if axis is None else np.moveaxis(x, axis, 0)  # views: writes go to x
+    for k in range(len(slices)):
+        part = slices[k, ...]  # a view, also when the slice is a single element
+        # max|x| = q * t with t a short dyadic number >= 1/q: exact, and above every other |x| < 1.
+        t = 2.0 ** np.ceil(np.log2(1.0 / q)) * (1 + rng.integers(0, 8) / 8)
+        part[np.unravel_index(rng.integers(part.size), part.shape)] = rng.choice([-1.0, 1.0]) * q * t
+        part *= 4.0 ** (k - len(slices) // 2)
+        s = np.abs(part).max() / q
+        r = np.abs(part) / s
+        near_tie = (np.abs(r - np.floor(r) - 0.5) < 0.02) & (r < q - 1)
+        part[near_tie] -= np.sign(part[near_tie]) * 0.05 * s
+    return x
+
+
+CONFIGS = [  # (shape, axis, bits): per tensor, per axis on every axis position, a square matrix
+    ((4, 6), None, 8),
+    ((4, 6), 0, 4),
+    ((4, 6), 1, 2),
+    ((2, 3, 4), 1, 8),
+    ((2, 3, 4), -1, 4),
+    ((5, 5), 0, 2),
+    ((5, 5), 1, 8),
+    ((7,), 0, 4),  # rank 1 per axis: every element is its own slice
+]
+
+
+def _cases():
+    cases = []
+    for shape, axis, bits in CONFIGS:
+        x = quant_input(shape, bits, axis)
+        batch = {"x": 0} if len(shape) > 1 else None
+        attrs = {"bits": bits} if axis is None else {"bits": bits, "axis": axis}
+        cases.append(Case("fake_quantize", {"x": x}, attrs, batch=batch, label=f"fake_quantize[{shape},{axis},{bits}]"))
+    # Every estimator per tensor and per axis (a different per-axis config each), bits cycling.
+    for k, ste in enumerate(STES):
+        for j, config in enumerate((0, 1 + k)):
+            shape, axis, _ = CONFIGS[config]
+            bits = (2, 4, 8)[(2 * k + j) % 3]
+            x = quant_input(shape, bits, axis)
+            attrs = {"bits": bits, "ste": ste} if axis is None else {"bits": bits, "axis": axis, "ste": ste}
+            cases.append(Case("fake_quantize_backward", {"x": x, "dy": RNG.standard_normal(shape)}, attrs,
+                              batch={"x": 0, "dy": 0}, label=f"fake_quantize_backward[{ste},{shape},{axis},{bits}]"))
+    return cases
+
+
+CASES = _cases()
+
+
+@functools.lru_cache(maxsize=None)
+def outputs(dtype, symbolic, path):
+    return run_cases(CASES, dtype, symbolic=symbolic, path=path)
+
+
+@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
+def test_matches_reference(dtype, shape_mode, path):
+    symbolic = shape_mode == "symbolic"
+    selected = [c for c in CASES if c.batch is not None] if symbolic else CASES
+    problems = [(c.name, compare(o, c.reference(dtype), dtype)) for c, o in zip(selected, outputs(dtype, symbolic, path))]
+    failures = [f"{n}: {p}" for n, p in problems if p]
+    assert not failures, f"{len(failures)} of {len(selected)} cases differ:\n" + "\n".join(failures)
+
+
+def test_reference_matches_spec_formulas():
+    """The op references against the literal SPEC formulas above (forward and every estimator)."""
+    for c in CASES:
+        ins = c.inputs
+        if c.op == "fake_quantize":
+            expected = spec_fake_quantize(ins["x"], c.attrs["bits"], c.attrs.get("axis"))
+        else:
+            expected = spec_backward(ins["x"], ins["dy"], **c.attrs)
+        np.testing.assert_allclose(c.reference(), expected, rtol=1e-13, atol=1e-13, err_msg=c.name)
+    assert {c.attrs.get("ste") for c in CASES if c.op == "fake_quantize_backward"} == set(STES)
+    assert {c.attrs["bits"] for c in CASES} == {2, 4, 8}
+
+
+@pytest.mark.parametrize("path", ["fused", "decomposed"])
+def test_kernels_match_spec_formulas(path):
+    """Kernel outputs (float64) against the SPEC formulas directly; identity is dy, bit for bit
+    (float32 too)."""
+    for c, out in zip(CASES, outputs("float64", False, path)):
+        ins = c.inputs
+        if c.op == "fake_quantize":
+            expected = spec_fake_quantize(ins["x"], c.attrs["bits"], c.attrs.get("axis"))
+        else:
+            expected = spec_backward(ins["x"], ins["dy"], **c.attrs)
+        np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12, err_msg=c.name)
+    for c, out in zip(CASES, outputs("float32", False, path)):
+        if c.attrs.get("ste") == "identity":
+            np.testing.assert_array_equal(out, c.inputs["dy"].astype("float32"), err_msg=c.name)
+
+
+# -- SPEC §8 traps ------------------------------------------------------------------------------
+
+
+# The edge cases of all trap tests below, compiled into one module per (dtype, path).
+
+AXIS_CONFIGS = [((4, 6), 0), ((4, 6), 1), ((2, 3, 4), 1), ((5, 5), 0), ((5, 5), 1)]
+
+
+def _axis_cases():
+    cases = []
+    for shape, axis in AXIS_CONFIGS:
+        # Rows and columns with very different ranges, so every choice of axis gives a different scale.
+        x = RNG.uniform(-1, 1, shape) * np.exp(RNG.uniform(-3, 3, shape[:1] + (1,) * (len(shape) - 1)))
+        x = x * np.exp(RNG.uniform(-3, 3, shape[-1:]))
+        cases.append(Case("fake_quantize", {"x": x}, {"bits": 4, "axis": axis}))
+        cases.append(Case("fake_quantize_backward", {"x": x, "dy": np.ones(shape)}, {"bits": 4, "axis": axis, "ste": "tanh"}))
+    return cases
+
+
+ZERO_ROWS = 1  # the all-zero slice of the partly zero input
+
+
+def _zero_cases():
+    zero = np.zeros((3, 4))
+    some = RNG.uniform(-1, 1, (3, 4))
+    some[ZERO_ROWS] = 0.0  # one all-zero slice along axis 0
+    dy = RNG.standard_normal((3, 4))
+    cases = []
+    for x, axis, label in ((zero, None, "zero"), (some, 0, "some")):
+        cases.append(Case("fake_quantize", {"x": x}, {"bits": 2} if axis is None else {"bits": 2, "axis": axis}, label=label))
+        for ste in STES:
+            attrs = {"bits": 8, "ste": ste} if axis is None else {"bits": 8, "axis": axis, "ste": ste}
+            cases.append(Case("fake_quantize_backward", {"x": x, "dy": dy}, attrs, label=label))
+    return cases
+
+
+TIE_LEVELS = np.array([0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, 7.0])
+TIE_ROUNDED = np.array([0.0, 2.0, 2.0, 4.0, -0.0, -2.0, -2.0, 7.0])  # half to even
+
+
+def _tie_cases():
+    # bits 4: q = 7; max|x| = 7/8, so s = 1/8 and x / s = TIE_LEVELS exactly in every float dtype.
+    return [Case("fake_quantize", {"x": TIE_LEVELS / 8.0}, {"bits": 4})]
+
+
+def _boundary_cases():
+    x = RNG.standard_normal((6, 7)) * 3.7  # arbitrary values: max|x| / q * q need not round back to max|x|
+    dy = RNG.standard_normal((6, 7))
+    return [Case("fake_quantize_backward", {"x": x, "dy": dy}, {"bits": b, "axis": a, "ste": ste})
+            for ste in ("clipped", "hardtanh") for b, a in ((4, 0), (8, 1))]
+
+
+EDGE = {"axis": _axis_cases(), "zero": _zero_cases(), "tie": _tie_cases(), "boundary": _boundary_cases()}
+
+
+@functools.lru_cache(maxsize=None)
+def edge_outputs(dtype, path):
+    """{group: outputs}; the per-axis group is checked in float64 only."""
+    groups = {k: v for k, v in EDGE.items() if k != "axis" or dtype == "float64"}
+    outs = iter(run_cases([c for g in groups.values() for c in g], dtype, symbolic=False, path=path))
+    return {name: [next(outs) for _ in group] for name, group in groups.items()}
+
+
+BOTH_PATHS = pytest.mark.parametrize("path", ["fused", "decomposed"])
+BOTH_DTYPES = pytest.mark.parametrize("dtype", ["float32", "float64"])
+
+
+@BOTH_PATHS
+def test_per_axis_scale_is_over_the_other_axes(path):
+    """x [4, 6] with axis 0 and axis 1, rank 3 with axis 1, and a square [5, 5] (where a scale
+    broadcast along the wrong axis still has the right shape): one scale per index of ``axis``,
+    the max taken over ALL other axes."""
+    outs = edge_outputs("float64", path)["axis"]
+    for k, (shape, axis) in enumerate(AXIS_CONFIGS):
+        x = EDGE["axis"][2 * k].inputs["x"]
+        y, d = outs[2 * k], outs[2 * k + 1]
+        np.testing.assert_allclose(y, spec_fake_quantize(x, 4, axis), rtol=1e-12, atol=1e-12, err_msg=f"{shape} {axis}")
+        np.testing.assert_allclose(d, spec_backward(x, np.ones(shape), 4, axis, "tanh"), rtol=1e-12, atol=1e-12)
+        for other in [None] + [a for a in range(len(shape)) if a != axis]:
+            # The scale over any other axis (or the whole tensor) gives a visibly different answer.
+            assert np.abs(spec_fake_quantize(x, 4, other) - y).max() > 1e-3, (shape, axis, other)
+
+
+@BOTH_PATHS
+@BOTH_DTYPES
+def test_scale_clamp_on_all_zero_input(dtype, path):
+    """max|x| == 0 (whole tensor, or one slice): s = 1e-12 keeps every estimator finite; the
+    estimators all give dy there and the forward gives exact zeros."""
+    for c, out in zip(EDGE["zero"], edge_outputs(dtype, path)["zero"]):
+        assert np.all(np.isfinite(out)), (c.name, c.attrs, out)
+        zero = (slice(None),) if c.label == "zero" else (ZERO_ROWS,)
+        if c.op == "fake_quantize":
+            np.testing.assert_array_equal(out[zero], 0.0)
+        else:
+            np.testing.assert_array_equal(out[zero], c.inputs["dy"].astype(dtype)[zero], err_msg=str(c.attrs))
+        assert compare(out, c.reference(dtype), dtype) is None, (c.name, c.attrs)
+
+
+@BOTH_PATHS
+@BOTH_DTYPES
+def test_round_half_to_even(dtype, path):
+    """x / s exactly on .5 steps rounds half to even in both paths (np.round's convention; half
+    away from zero would give 1, 3, -1, -3 for 0.5, 2.5, -0.5, -2.5)."""
+    (out,) = edge_outputs(dtype, path)["tie"]
+    np.testing.assert_array_equal(out * 8.0, TIE_ROUNDED)
+    np.testing.assert_array_equal(EDGE["tie"][0].reference() * 8.0, TIE_ROUNDED)
+
+
+@BOTH_PATHS
+@BOTH_DTYPES
+def test_clip_boundary_keeps_the_maximum(dtype, path):
+    """With arbitrary (not specially chosen) values, the elements at max|x| sit exactly on the
+    clip boundary q*s: clipped still passes their gradient and hardtanh gives exactly 0 there
+    (q*s is evaluated as max(m, q*1e-12), which has no rounding error)."""
+    for c, out in zip(EDGE["boundary"], edge_outputs(dtype, path)["boundary"]):
+        x, dy, axis = c.inputs["x"].astype(dtype), c.inputs["dy"].astype(dtype), c.attrs["axis"]
+        at_max = np.abs(x) == np.abs(x).max(axis=1 - axis, keepdims=True)
+        assert at_max.sum() == x.shape[axis]
+        if c.attrs["ste"] == "clipped":
+            np.testing.assert_array_equal(out, dy, err_msg=str(c.attrs))
+        else:
+            assert np.all(out[at_max] == 0) and np.all(out * dy >= 0), c.attrs
+
+
+def test_autodiff_uses_the_chosen_estimator():
+    """Differentiating rlx.fake_quantize emits fake_quantize_backward with the op's ``ste``."""
+    x = RNG.standard_normal((3, 5))
+    w = RNG.standard_normal((3, 5))
+    bb = relax.BlockBuilder()
+    xv, wv = tensor_var("x", x.shape, "float64"), tensor_var("w", w.shape, "float64")
+    with bb.function("main", [xv, wv]):
+        with bb.dataflow():
+            y = bb.emit(ops.fake_quantize(xv, bits=4, axis=1, ste="tanh"))
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, wv)))
+        bb.emit_func_output(loss)
+    mod = autodiff.grad(bb.get(), "main", wrt=["x"])
+    assert count_rlx_calls(mod, ["fake_quantize_backward"]) == {"fake_quantize_backward": 1}
+    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    _, (gx,) = vm["main_adjoint"](tvm.runtime.tensor(x), tvm.runtime.tensor(w))
+    np.testing.assert_allclose(gx.numpy(), spec_backward(x, w, 4, 1, "tanh"), rtol=1e-12, atol=1e-12)
+
+
+def test_max_min_gradients():
+    """relax.max / relax.min gradients (used when decomposed fake_quantize graphs are
+    differentiated again): finite differences away from ties, and an equal split at ties."""
+    op = relax.op
+    x = RNG.standard_normal((3, 4, 5))
+    w = RNG.standard_normal((3, 5))
+    cases = [
+        GradCase("max(axis=1)", {"x": x, "w": w}, lambda x, w: op.sum(op.multiply(op.max(x, axis=1), w)), wrt=["x"]),
+        GradCase("min(axis=[0,2],keepdims)", {"x": x}, lambda x: op.sum(op.exp(op.min(x, axis=[0, 2], keepdims=True)))),
+        GradCase("max(all)", {"x": x}, lambda x: op.multiply(op.max(x), op.max(x))),
+    ]
+    check_gradients(cases, "float64")
+
+    tied = np.array([[1.0, 3.0, 3.0, -2.0], [0.5, 0.5, 0.5, 0.5]])
+    mod = autodiff.grad(_one_fn(lambda t: op.sum(op.max(t, axis=1)), tied), "main")
+    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    _, (g,) = vm["main_adjoint"](tvm.runtime.tensor(tied))
+    np.testing.assert_array_equal(g.numpy(), [[0, 0.5, 0.5, 0], [0.25, 0.25, 0.25, 0.25]])
+
+
+def _one_fn(build, x):
+    bb = relax.BlockBuilder()
+    xv = tensor_var("x", x.shape, "float64")
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            out = bb.emit_output(build(xv))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_half_precision_computes_in_float32():
+    """float16 inputs: both paths compute in float32 and round once, so they match the float64
+    reference of the float16-cast inputs to float16 output precision."""
+    cases = CASES[:3] + CASES[-7::2]  # three forward configs; each estimator per axis
+    for path in ("fused", "decomposed"):
+        for c, out in zip(cases, run_cases(cases, "float16", symbolic=False, path=path)):
+            assert out.dtype == np.float16
+            ref = c.reference("float16")
+            np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * max(1.0, np.abs(ref).max()), err_msg=f"{path} {c.name}")
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def _fqb(shape=(4, 6), dy_shape=None, dtype="float32", dy_dtype=None, **attrs):
+    x = tensor_var("x", shape, dtype)
+    dy = tensor_var("dy", dy_shape or shape, dy_dtype or dtype)
+    return lambda: ops.fake_quantize_backward(x, dy, **{"bits": 8, **attrs})
+
+
+def test_bad_input_attributes():
+    assert_op_error(_fqb(bits=3), "fake_quantize_backward", "bits", "[2, 4, 8]", "3")
+    assert_op_error(_fqb(bits=True), "fake_quantize_backward", "bits", "an integer")
+    assert_op_error(_fqb(ste="sigmoid"), "fake_quantize_backward", "ste", "hardtanh", "sigmoid")
+    x = tensor_var("x", (4, 6))
+    assert_op_error(lambda: ops.fake_quantize(x, bits=16), "fake_quantize", "bits", "[2, 4, 8]", "16")
+    assert_op_error(lambda: ops.fake_quantize(x), "fake_quantize", "bits", "required")
+
+
+def test_bad_input_axis_out_of_range():
+    assert_op_error(_fqb(axis=2), "fake_quantize_backward", "axis", "[-2, 2)", "2")
+    assert_op_error(_fqb(axis=-3), "fake_quantize_backward", "axis", "[-2, 2)", "-3")
+    x = tensor_var("x", (2, 3, 4))
+    assert_op_error(lambda: ops.fake_quantize(x, bits=4, axis=3), "fake_quantize", "axis", "[-3, 3)")
+
+
+def test_bad_input_shapes_and_dtypes():
+    assert_op_error(_fqb(dy_shape=(6, 4)), "fake_quantize_backward", "dy", "[4, 6]", "[6, 4]")
+    assert_op_error(_fqb(dy_dtype="float64"), "fake_quantize_backward", "dy", "float32", "float64")
+    assert_op_error(_fqb(dtype="int32"), "fake_quantize_backward", "x", "int32")
+    assert_op_error(lambda: ops.fake_quantize(tensor_var("x", ()), bits=4), "fake_quantize", "x", "rank >= 1")
+
+
+def test_bad_input_unknown_attribute():
+    assert_op_error(lambda: get_op("fake_quantize")(tensor_var("x", (3,)), bits=4, scale=0.1), "fake_quantize", "scale", "unknown")
