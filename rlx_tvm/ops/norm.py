@@ -1,1 +1,832 @@
-"""(being written)"""
+"""Normalization backward ops: layer norm, RMS norm and group norm (SPEC §2).
+
+Notation, over the elements normalized together (one row along ``axis`` for layer/RMS norm, one
+``(n, group)`` block of ``C/G * prod(spatial)`` elements for group norm): ``mean`` and the biased
+variance ``var``, ``r = (var + eps)^(-1/2)`` (RMS norm: ``r = (mean(x^2) + eps)^(-1/2)``) and
+``xh = (x - mean) * r``.
+
+* layer norm, ``y = xh * gamma + beta``:
+  ``dx = r * (g - mean(g) - xh * mean(g * xh))`` with ``g = dy * gamma``; ``dgamma = sum dy * xh``.
+* RMS norm, ``y = x * r * gamma + beta``:
+  ``dx = r * (gamma * dy - r^2 * x * mean(x * gamma * dy))``; ``dgamma = sum dy * x * r``;
+  ``dbeta = sum dy``.
+* group norm, ``y = xh * gamma_c + beta_c``: layer norm's formula per block with
+  ``s = dy * gamma_c``; ``dgamma_c = sum_{n, spatial} dy * xh``, ``dbeta_c = sum_{n, spatial} dy``.
+
+The parameter vectors are laid along the normalized axis (layer/RMS) or the channel axis (group),
+never broadcast by trailing alignment alone: with a square ``[8, 8]`` input that would silently
+scale the wrong axis (SPEC §8). Parameter gradients reduce over every other axis, the batch
+included (SPEC §8: a reshape that keeps N is wrong for N > 1).
+
+The fused kernels compute the statistics in two passes (mean first, then the centred variance)
+and accumulate in float32 at least; the decompositions use ``mean``/``sum``/``sqrt``/``divide``
+(``1 / sqrt``, not ``rsqrt``, whose gradient is an rlx op) so they can be differentiated again.
+
+Importing the module also registers gradients for ``R.nn.layer_norm``, ``R.nn.rms_norm`` and
+``R.nn.group_norm`` that emit these ops (several contiguous normalized axes are merged into one;
+group norm in other layouts is transposed to [N, C, *spatial]).
+
+Limits: group norm needs a static channel count (to check and split the groups). Symbolic dims
+work everywhere in inference and both paths; differentiating a decomposition again needs the
+normalized extent (and group block) static, since TVM's ``mean`` gradient reads it as an int.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+from operator import mul
+
+import numpy as np
+from tvm import relax, te, tirx
+
+from ._math import acc_dtype, tensor_dtype
+from .registry import Attr, check_float, check_int, define_op, fmt_shape
+
+_op = relax.op
+
+_AXIS = Attr("axis", -1, check_int())
+_NUM_GROUPS = Attr("num_groups", check=check_int(lo=1))
+
+
+# Defaults, shared by the attributes and the references (``Case.reference`` passes only the
+# attributes a case sets).
+LAYER_EPS, RMS_EPS, GROUP_EPS = 1e-5, 1e-6, 1e-5
+
+
+def _eps(default: float) -> Attr:
+    return Attr("eps", default, check_float(lo=0.0, lo_open=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Type inference
+# --------------------------------------------------------------------------------------------
+
+
+def _check_extent(ctx, p, extent, what: str) -> None:
+    """``p`` is a [extent] vector. (Like ``ctx.dim_equals``, with dims printed as plain ints.)"""
+    if ctx.provably_different(p.dim(0), extent):
+        raise ctx.error(p.name, f"shape {fmt_shape([extent])} ({what})", fmt_shape(p.shape))
+
+
+def _infer_row(ctx, params: tuple[str, ...]):
+    """x (rank >= 1), the [H] parameter vectors ``params`` and dy like x; returns (x, axis)."""
+    x = ctx.tensor("x", min_ndim=1)
+    a = ctx.axis("axis", x.ndim)
+    for name in params:
+        p = ctx.tensor(name, ndim=1)
+        ctx.same_dtype(x, p)
+        _check_extent(ctx, p, x.dim(a), f"the extent of x's normalized axis {a}")
+    dy = ctx.tensor("dy")
+    ctx.same_dtype(x, dy)
+    ctx.same_shape(x, dy)
+    return x, a
+
+
+def _infer_group(ctx, params: tuple[str, ...]):
+    """x [N, C, *spatial] with a static C divisible by num_groups, [C] vectors, dy like x."""
+    x = ctx.tensor("x", min_ndim=2)
+    channels = x.static_dim(1)
+    if channels is None:
+        raise ctx.error("x", "a static channel count (dim 1)", fmt_shape(x.shape))
+    groups = ctx.attrs["num_groups"]
+    if channels % groups:
+        raise ctx.error("num_groups", f"a divisor of the channel count {channels}", groups)
+    for name in params:
+        p = ctx.tensor(name, ndim=1)
+        ctx.same_dtype(x, p)
+        _check_extent(ctx, p, channels, "the channel count, x's dim 1")
+    dy = ctx.tensor("dy")
+    ctx.same_dtype(x, dy)
+    ctx.same_shape(x, dy)
+    return x
+
+
+def _infer_row_like_x(params):
+    def fn(ctx):
+        x, _ = _infer_row(ctx, params)
+        return ctx.out(x.shape, x.dtype)
+
+    return fn
+
+
+def _infer_group_like_x(params):
+    def fn(ctx):
+        x = _infer_group(ctx, params)
+        return ctx.out(x.shape, x.dtype)
+
+    return fn
+
+
+def _infer_row_vector(params):
+    def fn(ctx):
+        x, a = _infer_row(ctx, params)
+        return ctx.out([x.dim(a)], x.dtype)
+
+    return fn
+
+
+def _infer_channel_vector(params):
+    def fn(ctx):
+        x = _infer_group(ctx, params)
+        return ctx.out([x.dim(1)], x.dtype)
+
+    return fn
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy references (float64)
+# --------------------------------------------------------------------------------------------
+
+
+def _np(*arrays):
+    return [np.asarray(a, dtype=np.float64) for a in arrays]
+
+
+def _np_along(v, axis, ndim):
+    """The [H] vector ``v`` shaped to broadcast along ``axis`` of a rank-``ndim`` array."""
+    shape = [1] * ndim
+    shape[axis] = -1
+    return v.reshape(shape)
+
+
+def _np_others(axis, ndim):
+    return tuple(i for i in range(ndim) if i != axis)
+
+
+def _np_layer_stats(x, axis, eps):
+    mean = x.mean(axis=axis, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axis, keepdims=True)
+    r = 1.0 / np.sqrt(var + eps)
+    return (x - mean) * r, r
+
+
+def _np_rms_r(x, axis, eps):
+    return 1.0 / np.sqrt((x * x).mean(axis=axis, keepdims=True) + eps)
+
+
+def _np_grouped(x, groups):
+    """[N, C, *sp] -> [N, G, C/G, *sp], and the axes of one block."""
+    n, c = x.shape[:2]
+    xg = x.reshape(n, groups, c // groups, *x.shape[2:])
+    return xg, tuple(range(2, xg.ndim))
+
+
+# --------------------------------------------------------------------------------------------
+# Decomposition helpers (primitive Relax ops with gradients)
+# --------------------------------------------------------------------------------------------
+
+
+def _cast(e, src: str, dst: str):
+    """``e`` (of dtype ``src``) as ``dst``; nested expressions carry no type yet, hence ``src``."""
+    return e if src == dst else _op.astype(e, dst)
+
+
+# Reshape rather than expand_dims/squeeze and keepdims=True sums: expand_dims's gradient is a
+# squeeze, which has no gradient, and the decompositions must stay differentiable at any order.
+
+
+def _relax_along(v, shape, axis):
+    """[shape[axis]] vector -> broadcastable against ``shape``: 1 everywhere but ``axis``."""
+    if len(shape) == 1:
+        return v
+    return _op.reshape(v, [d if i == axis else 1 for i, d in enumerate(shape)])
+
+
+def _relax_sum_to_vector(e, shape, keep: int):
+    """Sum of ``e`` (of ``shape``) over every axis but ``keep``, as a [shape[keep]] vector."""
+    others = [i for i in range(len(shape)) if i != keep]
+    return _op.reshape(_op.sum(e, axis=others, keepdims=True), [shape[keep]]) if others else e
+
+
+def _relax_mean(e, axes):
+    return _op.mean(e, axis=axes, keepdims=True)
+
+
+def _relax_rstd(mean_sq, eps, dtype):
+    """(mean_sq + eps)^(-1/2) as 1 / sqrt(.): rsqrt's gradient is an rlx op, not a primitive."""
+    return _op.divide(relax.const(1.0, dtype), _op.sqrt(mean_sq + relax.const(eps, dtype)))
+
+
+def _relax_layer_stats(x, axes, eps, dtype):
+    xc = x - _relax_mean(x, axes)
+    r = _relax_rstd(_relax_mean(xc * xc, axes), eps, dtype)
+    return xc * r, r
+
+
+def _relax_normalized_dx(r, xh, g, axes):
+    """r * (g - mean(g) - xh * mean(g * xh)): the backward of (x - mean) * r."""
+    return r * (g - _relax_mean(g, axes) - xh * _relax_mean(g * xh, axes))
+
+
+def _shape(e):
+    return list(e.ty.shape.values)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused-kernel helpers (TE)
+# --------------------------------------------------------------------------------------------
+
+
+class _Rows:
+    """Index algebra for reductions along one axis of a TE tensor's shape. Stages over the
+    reduced ("row") shape are read back on full indices with ``at``."""
+
+    def __init__(self, shape, axis: int, acc: str):
+        self.shape = list(shape)
+        self.axis = axis
+        self.acc = acc
+        self.extent = self.shape[axis]
+        self.count = self.extent.astype(acc)
+        self.row_shape = self.shape[:axis] + self.shape[axis + 1:]
+
+    def at(self, t):
+        """A row-shaped stage as a function of full indices (the normalized axis dropped)."""
+        return lambda i: t(*i[: self.axis], *i[self.axis + 1:])
+
+    def row_sum(self, name, f):
+        """Row-shaped stage: sum of ``f`` (a function of full indices) along the axis."""
+
+        def body(*o):
+            j = te.reduce_axis((0, self.extent), name=f"{name}_j")
+            return te.sum(f((*o[: self.axis], j, *o[self.axis:])), axis=j)
+
+        return te.compute(self.row_shape, body, name=name)
+
+    def row_mean(self, name, f):
+        total = self.at(self.row_sum(name, f))
+        return lambda i: total(i) / self.count
+
+    def column_sum(self, name, f):
+        """[H] stage: sum of ``f`` over every axis but the normalized one."""
+        others = [k for k in range(len(self.shape)) if k != self.axis]
+
+        def body(j):
+            red = {k: te.reduce_axis((0, self.shape[k]), name=f"{name}_k{k}") for k in others}
+            idx = tuple(j if k == self.axis else red[k] for k in range(len(self.shape)))
+            return te.sum(f(idx), axis=list(red.values())) if red else f(idx)
+
+        return te.compute((self.extent,), body, name=name)
+
+
+def _loader(t, acc):
+    return lambda i: t(*i).astype(acc)
+
+
+def _rstd_stage(shape, sq_sum, count, eps, acc):
+    """(sum / count + eps)^(-1/2), elementwise over a stage of per-row (per-block) sums."""
+    one, eps = tirx.const(1.0, acc), tirx.const(eps, acc)
+    return te.compute(shape, lambda *o: one / tirx.sqrt(sq_sum(*o) / count + eps), name="rstd")
+
+
+def _te_layer_stats(rows: _Rows, x, eps):
+    """Two-pass mean and biased variance: ``xh(i)`` and ``r(i)`` on full indices."""
+    mean = rows.row_mean("mean", x)
+    var_sum = rows.row_sum("var_sum", lambda i: (x(i) - mean(i)) * (x(i) - mean(i)))
+    r = rows.at(_rstd_stage(rows.row_shape, var_sum, rows.count, eps, rows.acc))
+    return (lambda i: (x(i) - mean(i)) * r(i)), r
+
+
+def _te_rms_r(rows: _Rows, x, eps):
+    sq_sum = rows.row_sum("sq_sum", lambda i: x(i) * x(i))
+    return rows.at(_rstd_stage(rows.row_shape, sq_sum, rows.count, eps, rows.acc))
+
+
+class _Groups:
+    """Index algebra for group norm on [N, C, *spatial]: block (n, g) holds channels
+    ``g*D .. g*D + D - 1`` (``D = C / G``) at every spatial position."""
+
+    def __init__(self, shape, groups: int, acc: str):
+        self.shape = list(shape)
+        self.groups = groups
+        self.acc = acc
+        self.per_group = int(self.shape[1]) // groups
+        self.spatial = self.shape[2:]
+        self.block_shape = (self.shape[0], groups)
+        self.count = reduce(mul, self.spatial, tirx.const(self.per_group, "int64")).astype(acc)
+
+    def at(self, t):
+        """A block-shaped stage as a function of full indices."""
+        return lambda i: t(i[0], i[1] // self.per_group)
+
+    def block_sum(self, name, f):
+        def body(n, g):
+            c = te.reduce_axis((0, self.per_group), name=f"{name}_c")
+            sp = [te.reduce_axis((0, s), name=f"{name}_s{k}") for k, s in enumerate(self.spatial)]
+            return te.sum(f((n, g * self.per_group + c, *sp)), axis=[c, *sp])
+
+        return te.compute(self.block_shape, body, name=name)
+
+    def block_mean(self, name, f):
+        total = self.at(self.block_sum(name, f))
+        return lambda i: total(i) / self.count
+
+    def channel_sum(self, name, f):
+        """[C] stage: sum of ``f`` over the batch and spatial axes."""
+
+        def body(c):
+            n = te.reduce_axis((0, self.shape[0]), name=f"{name}_n")
+            sp = [te.reduce_axis((0, s), name=f"{name}_s{k}") for k, s in enumerate(self.spatial)]
+            return te.sum(f((n, c, *sp)), axis=[n, *sp])
+
+        return te.compute((self.shape[1],), body, name=name)
+
+
+def _te_group_stats(groups: _Groups, x, eps):
+    mean = groups.block_mean("mean", x)
+    var_sum = groups.block_sum("var_sum", lambda i: (x(i) - mean(i)) * (x(i) - mean(i)))
+    r = groups.at(_rstd_stage(groups.block_shape, var_sum, groups.count, eps, groups.acc))
+    return (lambda i: (x(i) - mean(i)) * r(i)), r
+
+
+def _as_dtype(t, dtype):
+    """Cast an accumulator stage to the output dtype (no copy stage when they agree)."""
+    if str(t.dtype) == dtype:
+        return t
+    return te.compute(t.shape, lambda *i: t(*i).astype(dtype), name=f"{t.op.name}_{dtype}")
+
+
+def _call_te(bb, name, kernel, *args):
+    return bb.call_te(kernel, *args, primfunc_name_hint=f"rlx_{name}")
+
+
+# --------------------------------------------------------------------------------------------
+# layer_norm_backward_input / layer_norm_backward_gamma
+# --------------------------------------------------------------------------------------------
+
+layer_norm_backward_input = define_op(
+    "layer_norm_backward_input",
+    inputs=("x", "gamma", "dy"),
+    attrs=(_AXIS, _eps(LAYER_EPS)),
+    doc="d/dx of layer_norm(x) * gamma + beta over one axis: r * (g - mean(g) - xh * mean(g * xh)), g = dy * gamma.",
+)
+layer_norm_backward_input.infer(_infer_row_like_x(("gamma",)))
+
+
+@layer_norm_backward_input.reference
+def _ln_input_ref(x, gamma, dy, *, axis=-1, eps=LAYER_EPS):
+    x, gamma, dy = _np(x, gamma, dy)
+    xh, r = _np_layer_stats(x, axis, eps)
+    g = dy * _np_along(gamma, axis, x.ndim)
+    return r * (g - g.mean(axis=axis, keepdims=True) - xh * (g * xh).mean(axis=axis, keepdims=True))
+
+
+@layer_norm_backward_input.decomposition
+def _ln_input_decompose(bb, x, gamma, dy, *, axis, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    shape = _shape(x)
+    a = axis % len(shape)
+    x, gamma, dy = (_cast(t, dtype, acc) for t in (x, gamma, dy))
+    xh, r = _relax_layer_stats(x, [a], eps, acc)
+    g = dy * _relax_along(gamma, shape, a)
+    return _cast(_relax_normalized_dx(r, xh, g, [a]), acc, dtype)
+
+
+@layer_norm_backward_input.fused
+def _ln_input_fused(bb, x, gamma, dy, *, axis, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    a = axis % x.ty.ndim
+
+    def kernel(xt, gt, dyt):
+        rows = _Rows(xt.shape, a, acc)
+        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
+        xh, r = _te_layer_stats(rows, xv, eps)
+        g = lambda i: dyv(i) * gt[i[a]].astype(acc)  # noqa: E731  (gamma along the normalized axis)
+        mean_g = rows.row_mean("mean_g", g)
+        mean_gxh = rows.row_mean("mean_gxh", lambda i: g(i) * xh(i))
+        return te.compute(
+            xt.shape,
+            lambda *i: (r(i) * (g(i) - mean_g(i) - xh(i) * mean_gxh(i))).astype(dtype),
+            name="dx",
+        )
+
+    return _call_te(bb, "layer_norm_backward_input", kernel, x, gamma, dy)
+
+
+layer_norm_backward_gamma = define_op(
+    "layer_norm_backward_gamma",
+    inputs=("x", "dy"),
+    attrs=(_AXIS, _eps(LAYER_EPS)),
+    doc="d/dgamma of layer_norm(x) * gamma + beta: sum over all other axes of dy * xh; shape [H].",
+)
+layer_norm_backward_gamma.infer(_infer_row_vector(()))
+
+
+@layer_norm_backward_gamma.reference
+def _ln_gamma_ref(x, dy, *, axis=-1, eps=LAYER_EPS):
+    x, dy = _np(x, dy)
+    xh, _ = _np_layer_stats(x, axis, eps)
+    return (dy * xh).sum(axis=_np_others(axis % x.ndim, x.ndim))
+
+
+@layer_norm_backward_gamma.decomposition
+def _ln_gamma_decompose(bb, x, dy, *, axis, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    shape = _shape(x)
+    a = axis % len(shape)
+    x, dy = _cast(x, dtype, acc), _cast(dy, dtype, acc)
+    xh, _ = _relax_layer_stats(x, [a], eps, acc)
+    return _cast(_relax_sum_to_vector(dy * xh, shape, a), acc, dtype)
+
+
+@layer_norm_backward_gamma.fused
+def _ln_gamma_fused(bb, x, dy, *, axis, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    a = axis % x.ty.ndim
+
+    def kernel(xt, dyt):
+        rows = _Rows(xt.shape, a, acc)
+        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
+        xh, _ = _te_layer_stats(rows, xv, eps)
+        dgamma = rows.column_sum("dgamma", lambda i: dyv(i) * xh(i))
+        return _as_dtype(dgamma, dtype)
+
+    return _call_te(bb, "layer_norm_backward_gamma", kernel, x, dy)
+
+
+# --------------------------------------------------------------------------------------------
+# rms_norm_backward_input / _gamma / _beta
+# --------------------------------------------------------------------------------------------
+
+_RMS_PARAMS = ("gamma", "beta")
+_RMS_ATTRS = (_AXIS, _eps(RMS_EPS))
+
+rms_norm_backward_input = define_op(
+    "rms_norm_backward_input",
+    inputs=("x", "gamma", "beta", "dy"),
+    attrs=_RMS_ATTRS,
+    doc="d/dx of x * r * gamma + beta, r = (mean(x^2) + eps)^(-1/2): r * (gamma*dy - r^2 * x * mean(x*gamma*dy)).",
+)
+rms_norm_backward_input.infer(_infer_row_like_x(_RMS_PARAMS))
+
+
+@rms_norm_backward_input.reference
+def _rms_input_ref(x, gamma, beta, dy, *, axis=-1, eps=RMS_EPS):
+    x, gamma, dy = _np(x, gamma, dy)
+    r = _np_rms_r(x, axis, eps)
+    gdy = dy * _np_along(gamma, axis, x.ndim)
+    return r * (gdy - r * r * x * (x * gdy).mean(axis=axis, keepdims=True))
+
+
+@rms_norm_backward_input.decomposition
+def _rms_input_decompose(bb, x, gamma, beta, dy, *, axis, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    shape = _shape(x)
+    a = axis % len(shape)
+    x, gamma, dy = (_cast(t, dtype, acc) for t in (x, gamma, dy))
+    r = _relax_rstd(_relax_mean(x * x, [a]), eps, acc)
+    gdy = dy * _relax_along(gamma, shape, a)
+    return _cast(r * (gdy - r * r * x * _relax_mean(x * gdy, [a])), acc, dtype)
+
+
+@rms_norm_backward_input.fused
+def _rms_input_fused(bb, x, gamma, beta, dy, *, axis, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    a = axis % x.ty.ndim
+
+    def kernel(xt, gt, dyt):
+        rows = _Rows(xt.shape, a, acc)
+        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
+        r = _te_rms_r(rows, xv, eps)
+        gdy = lambda i: dyv(i) * gt[i[a]].astype(acc)  # noqa: E731
+        mean_xgdy = rows.row_mean("mean_xgdy", lambda i: xv(i) * gdy(i))
+        return te.compute(
+            xt.shape,
+            lambda *i: (r(i) * (gdy(i) - r(i) * r(i) * xv(i) * mean_xgdy(i))).astype(dtype),
+            name="dx",
+        )
+
+    # beta does not enter dx; it is not passed to the kernel.
+    return _call_te(bb, "rms_norm_backward_input", kernel, x, gamma, dy)
+
+
+rms_norm_backward_gamma = define_op(
+    "rms_norm_backward_gamma",
+    inputs=("x", "gamma", "beta", "dy"),
+    attrs=_RMS_ATTRS,
+    doc="d/dgamma of x * r * gamma + beta: sum over all other axes of dy * x * r; shape [H].",
+)
+rms_norm_backward_gamma.infer(_infer_row_vector(_RMS_PARAMS))
+
+
+@rms_norm_backward_gamma.reference
+def _rms_gamma_ref(x, gamma, beta, dy, *, axis=-1, eps=RMS_EPS):
+    x, dy = _np(x, dy)
+    return (dy * x * _np_rms_r(x, axis, eps)).sum(axis=_np_others(axis % x.ndim, x.ndim))
+
+
+@rms_norm_backward_gamma.decomposition
+def _rms_gamma_decompose(bb, x, gamma, beta, dy, *, axis, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    shape = _shape(x)
+    a = axis % len(shape)
+    x, dy = _cast(x, dtype, acc), _cast(dy, dtype, acc)
+    r = _relax_rstd(_relax_mean(x * x, [a]), eps, acc)
+    return _cast(_relax_sum_to_vector(dy * x * r, shape, a), acc, dtype)
+
+
+@rms_norm_backward_gamma.fused
+def _rms_gamma_fused(bb, x, gamma, beta, dy, *, axis, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    a = axis % x.ty.ndim
+
+    def kernel(xt, dyt):
+        rows = _Rows(xt.shape, a, acc)
+        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
+        r = _te_rms_r(rows, xv, eps)
+        dgamma = rows.column_sum("dgamma", lambda i: dyv(i) * xv(i) * r(i))
+        return _as_dtype(dgamma, dtype)
+
+    return _call_te(bb, "rms_norm_backward_gamma", kernel, x, dy)
+
+
+rms_norm_backward_beta = define_op(
+    "rms_norm_backward_beta",
+    inputs=("x", "gamma", "beta", "dy"),
+    attrs=_RMS_ATTRS,
+    doc="d/dbeta of x * r * gamma + beta: sum over all other axes of dy; shape [H].",
+)
+rms_norm_backward_beta.infer(_infer_row_vector(_RMS_PARAMS))
+
+
+@rms_norm_backward_beta.reference
+def _rms_beta_ref(x, gamma, beta, dy, *, axis=-1, eps=RMS_EPS):
+    (dy,) = _np(dy)
+    return dy.sum(axis=_np_others(axis % dy.ndim, dy.ndim))
+
+
+@rms_norm_backward_beta.decomposition
+def _rms_beta_decompose(bb, x, gamma, beta, dy, *, axis, eps):
+    dtype = tensor_dtype(dy)
+    acc = acc_dtype(dtype)
+    shape = _shape(dy)
+    return _cast(_relax_sum_to_vector(_cast(dy, dtype, acc), shape, axis % len(shape)), acc, dtype)
+
+
+@rms_norm_backward_beta.fused
+def _rms_beta_fused(bb, x, gamma, beta, dy, *, axis, eps):
+    dtype = tensor_dtype(dy)
+    acc = acc_dtype(dtype)
+    a = axis % dy.ty.ndim
+
+    def kernel(dyt):
+        dbeta = _Rows(dyt.shape, a, acc).column_sum("dbeta", _loader(dyt, acc))
+        return _as_dtype(dbeta, dtype)
+
+    return _call_te(bb, "rms_norm_backward_beta", kernel, dy)
+
+
+# --------------------------------------------------------------------------------------------
+# group_norm_backward_input / _gamma / _beta
+# --------------------------------------------------------------------------------------------
+
+_GN_ATTRS = (_NUM_GROUPS, _eps(GROUP_EPS))
+
+
+def _relax_group_stats(x, shape, groups, eps, dtype):
+    """x of ``shape`` [N, C, *sp] -> (grouped shape [N, G, C/G, *sp], xh and r on it, the block
+    axes). The shape is passed in: a cast ``x`` is a nested expression without a type yet."""
+    grouped = [shape[0], groups, int(shape[1]) // groups, *shape[2:]]
+    axes = list(range(2, len(grouped)))
+    xh, r = _relax_layer_stats(_op.reshape(x, grouped), axes, eps, dtype)
+    return grouped, xh, r, axes
+
+
+group_norm_backward_input = define_op(
+    "group_norm_backward_input",
+    inputs=("x", "gamma", "beta", "dy"),
+    attrs=_GN_ATTRS,
+    doc="d/dx of group_norm(x[N, C, *spatial]) * gamma_c + beta_c: per (n, group) block, "
+    "r * (s - mean(s) - xh * mean(s * xh)) with s = dy * gamma_c.",
+)
+group_norm_backward_input.infer(_infer_group_like_x(("gamma", "beta")))
+
+
+@group_norm_backward_input.reference
+def _gn_input_ref(x, gamma, beta, dy, *, num_groups, eps=GROUP_EPS):
+    x, gamma, dy = _np(x, gamma, dy)
+    s = dy * _np_along(gamma, 1, x.ndim)
+    xg, axes = _np_grouped(x, num_groups)
+    sg, _ = _np_grouped(s, num_groups)
+    xh, r = _np_layer_stats(xg, axes, eps)
+    dx = r * (sg - sg.mean(axis=axes, keepdims=True) - xh * (sg * xh).mean(axis=axes, keepdims=True))
+    return dx.reshape(x.shape)
+
+
+@group_norm_backward_input.decomposition
+def _gn_input_decompose(bb, x, gamma, beta, dy, *, num_groups, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    shape = _shape(x)
+    x, gamma, dy = (_cast(t, dtype, acc) for t in (x, gamma, dy))
+    grouped, xh, r, axes = _relax_group_stats(x, shape, num_groups, eps, acc)
+    s = _op.reshape(dy * _relax_along(gamma, shape, 1), grouped)
+    return _cast(_op.reshape(_relax_normalized_dx(r, xh, s, axes), shape), acc, dtype)
+
+
+@group_norm_backward_input.fused
+def _gn_input_fused(bb, x, gamma, beta, dy, *, num_groups, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+
+    def kernel(xt, gt, dyt):
+        groups = _Groups(xt.shape, num_groups, acc)
+        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
+        xh, r = _te_group_stats(groups, xv, eps)
+        s = lambda i: dyv(i) * gt[i[1]].astype(acc)  # noqa: E731  (gamma along the channel axis)
+        mean_s = groups.block_mean("mean_s", s)
+        mean_sxh = groups.block_mean("mean_sxh", lambda i: s(i) * xh(i))
+        return te.compute(
+            xt.shape,
+            lambda *i: (r(i) * (s(i) - mean_s(i) - xh(i) * mean_sxh(i))).astype(dtype),
+            name="dx",
+        )
+
+    # beta does not enter dx; it is not passed to the kernel.
+    return _call_te(bb, "group_norm_backward_input", kernel, x, gamma, dy)
+
+
+group_norm_backward_gamma = define_op(
+    "group_norm_backward_gamma",
+    inputs=("x", "dy"),
+    attrs=_GN_ATTRS,
+    doc="d/dgamma of group_norm(x) * gamma_c + beta_c: sum over n and spatial of dy * xh; shape [C].",
+)
+group_norm_backward_gamma.infer(_infer_channel_vector(()))
+
+
+@group_norm_backward_gamma.reference
+def _gn_gamma_ref(x, dy, *, num_groups, eps=GROUP_EPS):
+    x, dy = _np(x, dy)
+    xg, axes = _np_grouped(x, num_groups)
+    xh, _ = _np_layer_stats(xg, axes, eps)
+    return (dy * xh.reshape(x.shape)).sum(axis=_np_others(1, x.ndim))
+
+
+@group_norm_backward_gamma.decomposition
+def _gn_gamma_decompose(bb, x, dy, *, num_groups, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    shape = _shape(x)
+    x, dy = _cast(x, dtype, acc), _cast(dy, dtype, acc)
+    _, xh, _, _ = _relax_group_stats(x, shape, num_groups, eps, acc)
+    # Back to [N, C, *sp] first, then reduce over the batch too (SPEC §8).
+    return _cast(_relax_sum_to_vector(dy * _op.reshape(xh, shape), shape, 1), acc, dtype)
+
+
+@group_norm_backward_gamma.fused
+def _gn_gamma_fused(bb, x, dy, *, num_groups, eps):
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+
+    def kernel(xt, dyt):
+        groups = _Groups(xt.shape, num_groups, acc)
+        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
+        xh, _ = _te_group_stats(groups, xv, eps)
+        dgamma = groups.channel_sum("dgamma", lambda i: dyv(i) * xh(i))
+        return _as_dtype(dgamma, dtype)
+
+    return _call_te(bb, "group_norm_backward_gamma", kernel, x, dy)
+
+
+group_norm_backward_beta = define_op(
+    "group_norm_backward_beta",
+    inputs=("x", "dy"),
+    attrs=_GN_ATTRS,
+    doc="d/dbeta of group_norm(x) * gamma_c + beta_c: sum over n and spatial of dy; shape [C].",
+)
+group_norm_backward_beta.infer(_infer_channel_vector(()))
+
+
+@group_norm_backward_beta.reference
+def _gn_beta_ref(x, dy, *, num_groups, eps=GROUP_EPS):
+    (dy,) = _np(dy)
+    return dy.sum(axis=_np_others(1, dy.ndim))
+
+
+@group_norm_backward_beta.decomposition
+def _gn_beta_decompose(bb, x, dy, *, num_groups, eps):
+    dtype = tensor_dtype(dy)
+    acc = acc_dtype(dtype)
+    return _cast(_relax_sum_to_vector(_cast(dy, dtype, acc), _shape(dy), 1), acc, dtype)
+
+
+@group_norm_backward_beta.fused
+def _gn_beta_fused(bb, x, dy, *, num_groups, eps):
+    dtype = tensor_dtype(dy)
+    acc = acc_dtype(dtype)
+
+    def kernel(dyt):
+        dbeta = _Groups(dyt.shape, num_groups, acc).channel_sum("dbeta", _loader(dyt, acc))
+        return _as_dtype(dbeta, dtype)
+
+    return _call_te(bb, "group_norm_backward_beta", kernel, dy)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient rules: relax.transform.Gradient emits the ops above for Relax's own norms
+# --------------------------------------------------------------------------------------------
+
+# Above TVM's level 10 (it ships no rule for these ops in 0.27; a later one would not win).
+GRADIENT_LEVEL = 20
+
+
+def _normalized_axes(call, ndim: int) -> list[int]:
+    axes = sorted(int(a) % ndim for a in call.attrs.axes)
+    if axes != list(range(axes[0], axes[-1] + 1)):
+        raise ValueError(
+            f"rlx gradient of {call.op.name}: argument 'axes' expected contiguous axes "
+            f"(they are merged into one normalized axis), got {list(call.attrs.axes)}"
+        )
+    return axes
+
+
+def _merge_axes(axes: list[int], x, *tensors):
+    """Reshape ``x``-shaped ``tensors`` so the normalized ``axes`` become one axis, and return
+    (merged tensors, axis, unmerge function for an ``x``-shaped result)."""
+    shape = _shape(x)
+    first, last = axes[0], axes[-1]
+    if first == last:
+        return list(tensors), first, lambda e: e
+    merged = shape[:first] + [reduce(mul, shape[first:last + 1])] + shape[last + 1:]
+    return [_op.reshape(t, merged) for t in tensors], first, lambda e: _op.reshape(e, shape)
+
+
+def _flat(v):
+    """A parameter of the normalized axes' shape as one [H] vector."""
+    return _op.reshape(v, [reduce(mul, _shape(v))]) if v.ty.ndim != 1 else v
+
+
+def _unflat(e, like):
+    return _op.reshape(e, _shape(like)) if like.ty.ndim != 1 else e
+
+
+def _layer_norm_gradient(orig_var, orig_call, output_grad, ctx):
+    """R.nn.layer_norm(x, gamma, beta; axes, epsilon): TVM's legalization always applies gamma
+    and beta (center/scale are ignored there), so the gradient does too."""
+    x, gamma, beta = orig_call.args
+    eps = float(orig_call.attrs.epsilon)
+    axes = _normalized_axes(orig_call, x.ty.ndim)
+    (xm, dym), a, unmerge = _merge_axes(axes, x, x, output_grad)
+    dx = layer_norm_backward_input(xm, _flat(gamma), dym, axis=a, eps=eps)
+    dgamma = layer_norm_backward_gamma(xm, dym, axis=a, eps=eps)
+    others = [i for i in range(x.ty.ndim) if i not in axes]
+    dbeta = _op.reshape(_op.sum(output_grad, axis=others, keepdims=True), _shape(beta)) if others else output_grad
+    return [unmerge(dx), _unflat(dgamma, gamma), dbeta]
+
+
+def _rms_norm_gradient(orig_var, orig_call, output_grad, ctx):
+    """R.nn.rms_norm(x, weight; axes, epsilon) has no beta: the backward ops' beta slot (which
+    enters none of their results) gets zeros."""
+    x, weight = orig_call.args
+    eps = float(orig_call.attrs.epsilon)
+    (xm, dym), a, unmerge = _merge_axes(_normalized_axes(orig_call, x.ty.ndim), x, x, output_grad)
+    w = _flat(weight)
+    beta = _op.zeros_like(w)
+    dx = rms_norm_backward_input(xm, w, beta, dym, axis=a, eps=eps)
+    dweight = rms_norm_backward_gamma(xm, w, beta, dym, axis=a, eps=eps)
+    return [unmerge(dx), _unflat(dweight, weight)]
+
+
+def _group_norm_gradient(orig_var, orig_call, output_grad, ctx):
+    """R.nn.group_norm(x, gamma, beta; num_groups, channel_axis, axes, epsilon). The ops take
+    [N, C, *spatial]; other layouts (e.g. NHWC) are transposed there and back."""
+    x, gamma, beta = orig_call.args
+    attrs = orig_call.attrs
+    ndim = x.ty.ndim
+    channel = int(attrs.channel_axis) % ndim
+    reduced = [int(a) % ndim for a in attrs.axes]
+    batch = [i for i in range(ndim) if i != channel and i not in reduced]
+    if len(batch) != 1:
+        raise ValueError(
+            f"rlx gradient of relax.nn.group_norm: expected exactly one batch axis besides "
+            f"channel_axis {channel} and axes {reduced}, got {batch}"
+        )
+    perm = batch + [channel] + reduced
+    kw = {"num_groups": int(attrs.num_groups), "eps": float(attrs.epsilon)}
+    if perm == list(range(ndim)):
+        xp, dyp, unperm = x, output_grad, lambda e: e
+    else:
+        inverse = [perm.index(i) for i in range(ndim)]
+        xp, dyp = _op.permute_dims(x, perm), _op.permute_dims(output_grad, perm)
+        unperm = lambda e: _op.permute_dims(e, inverse)  # noqa: E731
+    dx = group_norm_backward_input(xp, gamma, beta, dyp, **kw)
+    return [unperm(dx), group_norm_backward_gamma(xp, dyp, **kw), group_norm_backward_beta(xp, dyp, **kw)]
+
+
+def _register_gradients():
+    from ..gradients import override_gradient
+
+    override_gradient("relax.nn.layer_norm", _layer_norm_gradient, GRADIENT_LEVEL)
+    override_gradient("relax.nn.rms_norm", _rms_norm_gradient, GRADIENT_LEVEL)
+    override_gradient("relax.nn.group_norm", _group_norm_gradient, GRADIENT_LEVEL)
+
+
+_register_gradients()
