@@ -1,0 +1,345 @@
+"""conv2d backward ops: fused and decomposed paths vs the NumPy reference, the reference vs the
+exact adjoint of an independent NumPy conv2d, fp64 finite differences, the SPEC §8 traps, the
+decomposition policy for symbolic shapes, bad input, and the gradient rule of R.nn.conv2d."""
+
+from functools import lru_cache, partial
+
+import numpy as np
+import pytest
+from tvm import relax, tirx
+
+from rlx_tvm import ops
+from rlx_tvm.passes import DecomposeBackwardOps, count_rlx_calls
+from rlx_tvm.testing import (
+    Case, GradCase, build_module, check_finite_differences, compare, run_cases,
+)
+
+from .helpers import MATRIX, assert_op_error, tensor_var
+
+RNG = np.random.default_rng(11)
+
+
+# -- an independent NumPy conv2d (float64), straight from the definition ------------------------
+
+
+def _pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def _pads(p):
+    """(top, left, bottom, right) from an int, an (h, w) pair or the 4-tuple itself."""
+    if isinstance(p, int):
+        return (p, p, p, p)
+    return (p[0], p[1], p[0], p[1]) if len(p) == 2 else tuple(p)
+
+
+def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1):
+    """y[n, co, oy, ox] = sum_{c, i, j} x[n, g*Cig + c, oy*s - pt + i*d, ox*s - pl + j*d] * w[co, c, i, j],
+    zero outside x, with g = co // (Co/G): one term per kernel tap (i, j)."""
+    (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
+    pt, pl, pb, pr = _pads(padding)
+    n, ci, h, wd = x.shape
+    co, cig, kh, kw = w.shape
+    xp = np.zeros((n, groups, cig, h + pt + pb, wd + pl + pr))
+    xp[..., pt:pt + h, pl:pl + wd] = x.reshape(n, groups, cig, h, wd)
+    wg = w.reshape(groups, co // groups, cig, kh, kw)
+    ho = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1
+    wo = (wd + pl + pr - dw * (kw - 1) - 1) // sw + 1
+    y = np.zeros((n, groups, co // groups, ho, wo))
+    for i in range(kh):
+        for j in range(kw):
+            # x rows i*d, i*d + s, ..., one per output row (in padded coordinates)
+            patch = xp[..., i * dh::sh, j * dw::sw][..., :ho, :wo]
+            y += np.einsum("ngcyx,goc->ngoyx", patch, wg[..., i, j])
+    return y.reshape(n, co, ho, wo)
+
+
+def exact_vjp(f, primal, dy):
+    """For f linear in ``primal``: J^T dy with J built column by column from basis vectors (exact,
+    unlike finite differences)."""
+    out = np.zeros(primal.size)
+    basis = np.zeros(primal.size)
+    for k in range(primal.size):
+        basis[k] = 1.0
+        out[k] = np.sum(f(basis.reshape(primal.shape)) * dy)
+        basis[k] = 0.0
+    return out.reshape(primal.shape)
+
+
+def _geometry(case):
+    return {k: v for k, v in case.attrs.items() if k not in ("input_size", "kernel_size")}
+
+
+def adjoint_input(case):
+    return exact_vjp(lambda x: conv2d(x, case.inputs["w"], **_geometry(case)), case.fd_extra["x"], case.inputs["dy"])
+
+
+def adjoint_weight(case):
+    return exact_vjp(lambda w: conv2d(case.inputs["x"], w, **_geometry(case)), case.fd_extra["w"], case.inputs["dy"])
+
+
+# -- cases ----------------------------------------------------------------------------------------
+
+
+def conv_cases(label, n, ci, co, hw, kernel, **geometry):
+    """Both ops for one forward conv2d(x[n, ci, *hw], w[co, ci/G, *kernel]; geometry)."""
+    groups = geometry.get("groups", 1)
+    x = RNG.standard_normal((n, ci, *hw))
+    w = RNG.standard_normal((co, ci // groups, *kernel))
+    dy = RNG.standard_normal(conv2d(x, w, **geometry).shape)
+    return [
+        Case(
+            "conv2d_backward_input", {"dy": dy, "w": w}, {"input_size": hw, **geometry}, batch={"dy": 0},
+            label=f"conv2d_backward_input[{label}]", wrt="x", fd_extra={"x": x},
+            forward=partial(lambda w, x, g: conv2d(x, w, **g), g=geometry),
+        ),
+        Case(
+            "conv2d_backward_weight", {"x": x, "dy": dy}, {"kernel_size": kernel, **geometry}, batch={"x": 0, "dy": 0},
+            label=f"conv2d_backward_weight[{label}]", wrt="w", fd_extra={"w": w},
+            forward=partial(lambda x, w, g: conv2d(x, w, **g), g=geometry),
+        ),
+    ]
+
+
+CASES = [
+    *conv_cases("basic batch 2", 2, 3, 4, (6, 5), (3, 3), padding=1),
+    # SPEC §8: stride 2 with an odd input size; row 6 and column 7 are dropped by the floor division.
+    *conv_cases("stride 2 odd input, groups 2, batch 3", 3, 4, 6, (7, 8), (2, 3), stride=2, groups=2),
+    *conv_cases("depthwise dilation 2", 2, 4, 4, (7, 7), (3, 3), stride=2, padding=1, dilation=2, groups=4),
+    *conv_cases("rect, 4-tuple padding, mixed stride/dilation", 2, 2, 4, (8, 7), (3, 2),
+                stride=(2, 1), padding=(1, 0, 2, 1), dilation=(1, 2), groups=2),
+    *conv_cases("1x1 stride 3 drops rows", 1, 3, 2, (8, 7), (1, 1), stride=3),
+    *conv_cases("kernel = padded input", 2, 2, 3, (3, 4), (5, 4), padding=(1, 0)),
+]
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+
+@lru_cache(maxsize=None)
+def _outputs(dtype, symbolic, path):
+    """Every case's output (cases without a batch spec are static-only); shared by the matrix and
+    the trap tests so each module is compiled once."""
+    cases = [c for c in CASES if c.batch is not None or not symbolic]
+    return dict(zip((c.name for c in cases), run_cases(cases, dtype, symbolic=symbolic, path=path)))
+
+
+@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
+def test_matches_reference(dtype, shape_mode, path):
+    outs = _outputs(dtype, shape_mode == "symbolic", path)
+    failures = [f"{name}: {problem}" for name, out in outs.items()
+                if (problem := compare(out, CASE_BY_NAME[name].reference(dtype), dtype))]
+    assert not failures, "\n".join(failures)
+
+
+def test_reference_is_the_exact_adjoint_of_conv2d():
+    """The op references (used by the matrix above) equal J^T dy of the independent conv2d."""
+    for case in CASES:
+        exact = adjoint_input(case) if case.op == "conv2d_backward_input" else adjoint_weight(case)
+        np.testing.assert_allclose(case.reference(), exact, rtol=1e-12, atol=1e-12, err_msg=case.name)
+
+
+def test_finite_differences():
+    check_finite_differences(CASES)
+
+
+def test_every_op_is_covered():
+    assert {c.op for c in CASES} == {"conv2d_backward_input", "conv2d_backward_weight"}
+
+
+# -- SPEC §8 traps: each runs both paths, static and symbolic batch, vs the exact adjoint ----------
+
+
+def _check_trap(*labels):
+    """Both paths, static and symbolic batch, vs the exact adjoint of the independent conv2d."""
+    cases = [c for c in CASES if any(label in c.name for label in labels)]
+    assert {c.op for c in cases} == {"conv2d_backward_input", "conv2d_backward_weight"}
+    for symbolic in (False, True):
+        for path in ("fused", "decomposed"):
+            outs = _outputs("float64", symbolic, path)
+            for case in cases:
+                exact = adjoint_input(case) if case.op == "conv2d_backward_input" else adjoint_weight(case)
+                np.testing.assert_allclose(outs[case.name], exact, rtol=1e-10, atol=1e-10,
+                                           err_msg=f"{case.name} {path} symbolic={symbolic}")
+
+
+def test_weight_gradient_batch_2_and_3_both_paths():
+    """A reshape without a transpose gets the weight gradient wrong as soon as batch > 1."""
+    labels = ("basic batch 2", "groups 2, batch 3")
+    assert {c.inputs["x"].shape[0] for c in CASES if c.op == "conv2d_backward_weight"
+            and any(label in c.name for label in labels)} == {2, 3}
+    _check_trap(*labels)
+
+
+def test_groups_2_and_depthwise():
+    _check_trap("groups 2", "depthwise")
+
+
+def test_stride_2_with_odd_input_size_gives_dropped_rows_their_gradient():
+    name = "conv2d_backward_input[stride 2 odd input, groups 2, batch 3]"
+    exact = adjoint_input(CASE_BY_NAME[name])
+    assert np.all(exact[:, :, 6, :] == 0) and np.all(exact[:, :, :, 7] == 0)  # no window reaches them
+    assert np.all(exact[:, :, 5, :7] != 0)  # (a reached row, for contrast)
+    _check_trap("stride 2 odd input")
+    for path in ("fused", "decomposed"):
+        out = _outputs("float64", False, path)[name]
+        assert np.all(out[:, :, 6, :] == 0) and np.all(out[:, :, :, 7] == 0), path
+
+
+def test_dilation_2():
+    _check_trap("depthwise dilation 2", "mixed stride/dilation")
+
+
+def test_half_precision_accumulates_in_float32():
+    """A weight gradient summing 8*31*31 = 7688 products: float16 accumulation would be off by
+    ~1e-2 relative; accumulating in float32 leaves only the output's rounding (<= 4.9e-4)."""
+    case = next(c for c in conv_cases("half", 8, 2, 2, (33, 33), (3, 3)) if c.op == "conv2d_backward_weight")
+    ref = case.reference("float16")  # exact math on the float16-rounded inputs
+    for path in ("fused", "decomposed"):
+        (out,) = run_cases([case], "float16", symbolic=False, path=path)
+        assert out.dtype == np.float16
+        err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
+        assert err < 1e-3, (path, err)
+
+
+# -- decomposition policy (SPEC §7) -----------------------------------------------------------
+
+
+def test_symbolic_batch_is_decomposed_and_other_symbolic_dims_keep_the_fused_kernel():
+    n, m, c = tirx.Var("n", "int64"), tirx.Var("m", "int64"), tirx.Var("c", "int64")
+    geometry = dict(stride=2, padding=1)
+    calls = {
+        "input, symbolic batch": (ops.conv2d_backward_input(tensor_var("dy", (n, 4, 3, 3)), tensor_var("w", (4, 2, 3, 3)),
+                                                            input_size=(6, 6), **geometry), True),
+        "input, symbolic channels": (ops.conv2d_backward_input(tensor_var("dy", (n, c, 3, 3)), tensor_var("w", (c, 2, 3, 3)),
+                                                               input_size=(6, 6), **geometry), False),
+        "weight, shared symbolic batch": (ops.conv2d_backward_weight(tensor_var("x", (n, 2, 6, 6)), tensor_var("dy", (n, 4, 3, 3)),
+                                                                     kernel_size=3, **geometry), True),
+        "weight, different batch vars": (ops.conv2d_backward_weight(tensor_var("x", (n, 2, 6, 6)), tensor_var("dy", (m, 4, 3, 3)),
+                                                                    kernel_size=3, **geometry), False),
+    }
+    for label, (call, decomposed) in calls.items():
+        bb = relax.BlockBuilder()
+        params = list(call.args)
+        with bb.function("main", params):
+            with bb.dataflow():
+                out = bb.emit_output(bb.emit(call))
+            bb.emit_func_output(out)
+        left = count_rlx_calls(DecomposeBackwardOps()(bb.get()))
+        assert (not left) == decomposed, (label, left)
+
+
+def test_fused_kernel_with_symbolic_channels():
+    """A case the decomposition refuses: symbolic (output) channels, through the fused kernel."""
+    case = CASE_BY_NAME["conv2d_backward_input[stride 2 odd input, groups 2, batch 3]"]
+    wcase = CASE_BY_NAME["conv2d_backward_weight[stride 2 odd input, groups 2, batch 3]"]
+    # (Every symbolic var must also appear bare in some input shape for the VM to bind it.)
+    sym_in = Case(case.op, case.inputs, case.attrs, batch={"dy": 1, "w": 0}, label="symbolic output channels")
+    sym_w = Case(wcase.op, wcase.inputs, wcase.attrs, batch={"dy": 1}, label="symbolic output channels")
+    mod = DecomposeBackwardOps()(build_module([sym_in, sym_w], "float64", symbolic=True))
+    assert count_rlx_calls(mod) == {"conv2d_backward_input": 1, "conv2d_backward_weight": 1}
+    out_in, out_w = run_cases([sym_in, sym_w], "float64", symbolic=True, path="decomposed")
+    np.testing.assert_allclose(out_in, adjoint_input(case), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(out_w, adjoint_weight(wcase), rtol=1e-10, atol=1e-10)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def _bwd_input(dy_shape, w_shape, dtype="float32", w_dtype=None, **attrs):
+    return lambda: ops.conv2d_backward_input(tensor_var("dy", dy_shape, dtype), tensor_var("w", w_shape, w_dtype or dtype), **attrs)
+
+
+def _bwd_weight(x_shape, dy_shape, dtype="float32", **attrs):
+    return lambda: ops.conv2d_backward_weight(tensor_var("x", x_shape, dtype), tensor_var("dy", dy_shape, dtype), **attrs)
+
+
+def test_bad_input_wrong_layout_rank():
+    assert_op_error(_bwd_input((2, 4, 3), (4, 2, 3, 3), input_size=(5, 5)), "conv2d_backward_input", "dy", "rank 4", "rank 3")
+    assert_op_error(_bwd_weight((2, 2, 5, 5), (2, 4, 3, 3, 1), kernel_size=3), "conv2d_backward_weight", "dy", "rank 4")
+
+
+def test_bad_input_mismatched_channels_and_groups():
+    assert_op_error(_bwd_input((2, 5, 3, 3), (4, 2, 3, 3), input_size=(5, 5)), "conv2d_backward_input", "dy", "output channels")
+    assert_op_error(_bwd_input((2, 6, 3, 3), (6, 2, 3, 3), input_size=(5, 5), groups=4),
+                    "conv2d_backward_input", "w", "divisible by groups=4")
+    assert_op_error(_bwd_weight((2, 3, 5, 5), (2, 4, 3, 3), kernel_size=3, groups=2),
+                    "conv2d_backward_weight", "x", "divisible by groups=2", "3")
+    assert_op_error(_bwd_weight((2, 4, 5, 5), (2, 3, 3, 3), kernel_size=3, groups=2),
+                    "conv2d_backward_weight", "dy", "divisible by groups=2")
+    assert_op_error(_bwd_weight((2, 4, 5, 5), (3, 4, 3, 3), kernel_size=3), "conv2d_backward_weight", "dy", "batch")
+
+
+def test_bad_input_kernel_larger_than_padded_input():
+    assert_op_error(_bwd_input((1, 2, 1, 1), (2, 2, 5, 5), input_size=(3, 3), padding=0), "conv2d_backward_input", "w", "extent 5")
+    assert_op_error(_bwd_weight((1, 2, 4, 4), (1, 2, 1, 1), kernel_size=3, dilation=2), "conv2d_backward_weight",
+                    "kernel_size", "dilation 2", "extent 5")
+
+
+def test_bad_input_dy_spatial_size_inconsistent_with_input_size():
+    # 7x7 input, kernel 3, stride 2: the forward's output is 3x3.
+    msg = assert_op_error(_bwd_input((1, 2, 4, 3), (2, 2, 3, 3), input_size=(7, 7), stride=2),
+                          "conv2d_backward_input", "dy", "dim 2 == 3", "4")
+    assert "input_size=(7, 7)" in msg
+    assert_op_error(_bwd_weight((1, 2, 7, 7), (1, 2, 3, 4), kernel_size=3, stride=2), "conv2d_backward_weight", "dy", "dim 3 == 3")
+
+
+def test_bad_input_attribute_values():
+    base = dict(input_size=(5, 5))
+    assert_op_error(_bwd_input((1, 2, 3, 3), (2, 2, 3, 3), stride=0, **base), "conv2d_backward_input", "stride", "[1, inf]")
+    assert_op_error(_bwd_input((1, 2, 3, 3), (2, 2, 3, 3), dilation=(1, -1), **base), "conv2d_backward_input", "dilation")
+    assert_op_error(_bwd_input((1, 2, 3, 3), (2, 2, 3, 3), padding=-1, **base), "conv2d_backward_input", "padding", "[0, inf]")
+    assert_op_error(_bwd_input((1, 2, 3, 3), (2, 2, 3, 3), padding=(1, 1, 1), **base), "conv2d_backward_input", "padding", "4-tuple")
+    assert_op_error(_bwd_input((1, 2, 3, 3), (2, 2, 3, 3), groups=0, **base), "conv2d_backward_input", "groups")
+    assert_op_error(_bwd_input((1, 2, 3, 3), (2, 2, 3, 3)), "conv2d_backward_input", "input_size", "required")
+    assert_op_error(_bwd_weight((1, 2, 5, 5), (1, 2, 3, 3), kernel_size=(3, 0)), "conv2d_backward_weight", "kernel_size")
+
+
+def test_bad_input_dtype():
+    assert_op_error(_bwd_input((1, 2, 3, 3), (2, 2, 3, 3), "int32", input_size=(5, 5)), "conv2d_backward_input", "dy", "int32")
+    assert_op_error(_bwd_input((1, 2, 3, 3), (2, 2, 3, 3), w_dtype="float64", input_size=(5, 5)),
+                    "conv2d_backward_input", "w", "float64")
+
+
+def test_bad_input_symbolic_spatial_dims():
+    h = tirx.Var("h", "int64")
+    assert_op_error(_bwd_weight((1, 2, h, 5), (1, 2, 3, 3), kernel_size=3), "conv2d_backward_weight", "x", "static spatial")
+
+
+# -- the gradient of R.nn.conv2d emits the two ops; second order through the decomposition --------
+
+
+def _conv_loss(stride, padding, dilation, groups):
+    def build(x, w, c):
+        y = relax.op.nn.conv2d(x, w, strides=stride, padding=padding, dilation=dilation, groups=groups)
+        return relax.op.sum(relax.op.multiply(relax.op.multiply(y, y), c))  # quadratic in y: H != 0
+
+    return build
+
+
+def _grad_case(label, n, ci, co, hw, k, stride, padding, dilation, groups):
+    x = RNG.standard_normal((n, ci, *hw))
+    w = RNG.standard_normal((co, ci // groups, k, k)) * 0.5
+    y = conv2d(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return GradCase(label, {"x": x, "w": w, "c": RNG.standard_normal(y.shape)},
+                    _conv_loss(stride, padding, dilation, groups), wrt=["x", "w"])
+
+
+# For tests/test_gradients.py: first order in float32/float64 and Hessian-vector products (second
+# order differentiates the decompositions: conv2d_transpose and the permuted conv2d).
+GRAD_CASES = [
+    _grad_case("conv2d groups 2 stride 2 odd", 2, 4, 4, (5, 6), 3, 2, 1, 1, 2),
+    _grad_case("conv2d dilation 2", 3, 2, 3, (6, 6), 2, 1, 0, 2, 1),
+]
+
+
+def test_conv2d_gradient_rule_emits_the_rlx_ops():
+    from rlx_tvm import autodiff
+
+    bb = relax.BlockBuilder()
+    case = GRAD_CASES[0]
+    params = [tensor_var(k, v.shape, "float64") for k, v in case.inputs.items()]
+    with bb.function("f", params):
+        with bb.dataflow():
+            out = bb.emit_output(case.build(*params))
+        bb.emit_func_output(out)
+    mod = autodiff.grad(bb.get(), "f", wrt=["x", "w"])
+    assert set(count_rlx_calls(mod)) == {"conv2d_backward_input", "conv2d_backward_weight"}

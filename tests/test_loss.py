@@ -1,0 +1,275 @@
+"""softmax_cross_entropy and its backward: both paths vs NumPy, finite differences of an
+independent NumPy per-row loss, the SPEC §8 traps (ignore_index, label smoothing, scalar and
+per-row d_loss), bad input, and the gradient rule of the forward op."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from rlx_tvm import autodiff, ops
+from rlx_tvm.passes import DecomposeBackwardOps, count_rlx_calls
+from rlx_tvm.testing import Case, GradCase, build_module, check_cases, check_finite_differences, finite_difference_vjp, run_cases
+
+from .helpers import MATRIX, assert_op_error, emit_call, tensor_var
+
+RNG = np.random.default_rng(5)
+op = relax.op
+
+
+def per_row_loss(ignore_index=-100, label_smoothing=0.0):
+    """PyTorch's cross_entropy(reduction="none", label_smoothing=ls), written independently: the
+    smoothed target puts 1 - ls + ls/C on the label and ls/C on every other class."""
+
+    def forward(logits, labels):
+        n, c = logits.shape
+        m = logits.max(axis=1, keepdims=True)
+        log_p = logits - m - np.log(np.sum(np.exp(logits - m), axis=1, keepdims=True))
+        target = np.full((n, c), label_smoothing / c)
+        keep = labels != ignore_index
+        target[np.arange(n)[keep], labels[keep]] += 1.0 - label_smoothing
+        return np.where(keep, -np.sum(target * log_p, axis=1), 0.0)
+
+    return forward
+
+
+def _labels(n, c, ignored=(), dtype=np.int64, ignore_index=-100):
+    labels = RNG.integers(0, c, n).astype(dtype)
+    labels[list(ignored)] = ignore_index
+    return labels
+
+
+def _forward_case(n, c, scale=1.0, batch=None, label="", **attrs):
+    ignore = attrs.get("ignore_index", -100)
+    labels = _labels(n, c, ignored=(1,), ignore_index=ignore)
+    return Case("softmax_cross_entropy", {"logits": scale * RNG.standard_normal((n, c)), "labels": labels}, attrs,
+                batch=batch, label=label or f"softmax_cross_entropy[{n}x{c}, {attrs}]")
+
+
+def _backward_case(n, c, scale=1.0, batch=None, label="", labels_dtype=np.int64, **attrs):
+    ignore = attrs.get("ignore_index", -100)
+    labels = _labels(n, c, ignored=(0, n - 1), dtype=labels_dtype, ignore_index=ignore)
+    return Case(
+        "softmax_cross_entropy_backward",
+        {"logits": scale * RNG.standard_normal((n, c)), "labels": labels, "d_loss": RNG.standard_normal(n)},
+        attrs, batch=batch, label=label or f"softmax_cross_entropy_backward[{n}x{c}, {attrs}]",
+        forward=per_row_loss(**attrs), wrt="logits", cotangent="d_loss",
+    )
+
+
+SYMBOLIC_N = {"logits": 0, "labels": 0}
+SYMBOLIC_N_BW = {"logits": 0, "labels": 0, "d_loss": 0}
+
+
+def _cases():
+    return [
+        _forward_case(5, 6, batch=SYMBOLIC_N),
+        _forward_case(5, 6, label_smoothing=0.2, batch=SYMBOLIC_N),
+        _forward_case(4, 7, label_smoothing=1.0, ignore_index=3, batch={"logits": 1}, label="softmax_cross_entropy[ls=1, symbolic C]"),
+        _forward_case(3, 9, scale=60.0, label_smoothing=0.1, batch=SYMBOLIC_N, label="softmax_cross_entropy[large logits]"),
+        _backward_case(5, 6, batch=SYMBOLIC_N_BW),
+        _backward_case(5, 6, label_smoothing=0.1, labels_dtype=np.int32, batch=SYMBOLIC_N_BW),
+        _backward_case(4, 5, label_smoothing=0.3, ignore_index=2, batch={"logits": 1},
+                       label="softmax_cross_entropy_backward[ignore_index=2, symbolic C]"),
+        _backward_case(3, 8, scale=60.0, label_smoothing=0.05, batch=SYMBOLIC_N_BW,
+                       label="softmax_cross_entropy_backward[large logits]"),
+    ]
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
+def test_matches_reference(dtype, shape_mode, path):
+    check_cases(CASES, dtype, symbolic=shape_mode == "symbolic", path=path)
+
+
+def test_finite_differences():
+    check_finite_differences(CASES)
+
+
+def test_forward_matches_independent_loss():
+    """The forward's reference (the oracle of the matrix test) agrees with the finite-difference
+    forward written here independently."""
+    for case in CASES:
+        if case.op == "softmax_cross_entropy":
+            ins = case.cast_inputs("float64")
+            np.testing.assert_allclose(case.reference(), per_row_loss(**case.attrs)(**ins), rtol=1e-12, atol=1e-12)
+
+
+# -- SPEC §8 traps ------------------------------------------------------------------------------
+
+
+def _run_by_hand(cases, dtype="float64"):
+    """Both paths, without the shared runner (which turns 0-d inputs into 1-d ones)."""
+    outs = {}
+    for path in ("fused", "decomposed"):
+        mod = build_module(cases, dtype, symbolic=False)
+        if path == "decomposed":
+            mod = DecomposeBackwardOps(include_forward=True)(mod)
+        vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+        outs[path] = [
+            vm[f"case_{i}"](*[tvm.runtime.tensor(np.asarray(a)) for a in c.cast_inputs(dtype).values()]).numpy()
+            for i, c in enumerate(cases)
+        ]
+    return outs
+
+
+def test_ignored_rows_are_zero_and_do_not_disturb_the_others():
+    logits = RNG.standard_normal((4, 5))
+    labels = np.array([2, -100, 0, -100])
+    d_loss = np.array([1.0, 5.0, -2.0, 3.0])
+    kept = np.array([0, 2])
+    cases = [
+        Case("softmax_cross_entropy", {"logits": logits, "labels": labels}),
+        Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": d_loss}),
+        # the kept rows alone
+        Case("softmax_cross_entropy", {"logits": logits[kept], "labels": labels[kept]}),
+        Case("softmax_cross_entropy_backward", {"logits": logits[kept], "labels": labels[kept], "d_loss": d_loss[kept]}),
+    ]
+    for path, (loss, grad, loss_kept, grad_kept) in run_cases_both(cases).items():
+        assert np.all(loss[[1, 3]] == 0.0) and np.all(grad[[1, 3]] == 0.0), path
+        np.testing.assert_allclose(loss[kept], loss_kept, rtol=1e-13, err_msg=path)
+        np.testing.assert_allclose(grad[kept], grad_kept, rtol=1e-13, err_msg=path)
+        assert np.all(loss_kept > 0), path
+
+
+def run_cases_both(cases, dtype="float64"):
+    return {p: run_cases(cases, dtype, symbolic=False, path=p) for p in ("fused", "decomposed")}
+
+
+def test_label_smoothing_closed_forms():
+    """Uniform logits: loss = log C for every ls, and d logits = (1 - ls) * (1/C - onehot) * d_loss.
+    ls = 1: the label does not matter."""
+    n, c = 3, 4
+    labels = np.array([0, 3, 1])
+    d_loss = np.array([1.0, 2.0, -1.0])
+    zeros = np.zeros((n, c))
+    z = RNG.standard_normal((n, c))
+    onehot = np.eye(c)[labels]
+    lss = (0.0, 0.25, 1.0)
+    cases = [Case("softmax_cross_entropy", {"logits": zeros, "labels": labels}, {"label_smoothing": ls}) for ls in lss]
+    cases += [Case("softmax_cross_entropy_backward", {"logits": zeros, "labels": labels, "d_loss": d_loss},
+                   {"label_smoothing": ls}) for ls in lss]
+    cases += [Case("softmax_cross_entropy", {"logits": z, "labels": lab}, {"label_smoothing": 1.0})
+              for lab in (labels, (labels + 1) % c)]
+    for path, outs in run_cases_both(cases).items():
+        for i, ls in enumerate(lss):
+            np.testing.assert_allclose(outs[i], np.full(n, np.log(c)), rtol=1e-13, err_msg=path)
+            want = (1 - ls) * (1.0 / c - onehot) * d_loss[:, None]
+            np.testing.assert_allclose(outs[3 + i], want, rtol=1e-12, atol=1e-15, err_msg=path)
+        np.testing.assert_allclose(outs[6], outs[7], rtol=1e-13, err_msg=path)
+
+
+def test_scalar_and_per_row_d_loss():
+    """A scalar d_loss scales every row: same as the per-row d_loss filled with it, and the
+    finite-difference gradient of d * sum(loss)."""
+    logits = RNG.standard_normal((4, 3))
+    labels = np.array([1, -100, 2, 0])
+    attrs = {"label_smoothing": 0.2}
+    scalar = np.array(0.75)
+    cases = [
+        Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": scalar}, attrs),
+        Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": np.full(4, 0.75)}, attrs),
+    ]
+    fd = finite_difference_vjp(per_row_loss(**attrs), {"logits": logits, "labels": labels}, "logits", scalar)
+    for dtype, tol in (("float64", 1e-7), ("float32", 1e-5)):
+        for path, (from_scalar, from_rows) in _run_by_hand(cases, dtype).items():
+            np.testing.assert_allclose(from_scalar, from_rows, rtol=1e-6, err_msg=path)
+            np.testing.assert_allclose(from_scalar, fd, atol=tol, err_msg=f"{dtype} {path}")
+
+
+def test_large_logits_stay_finite_in_float32():
+    """exp(100) overflows float32: the kernels subtract the row max first."""
+    logits = np.array([[100.0, 0.0, -100.0], [-90.0, 95.0, 80.0]])
+    labels = np.array([0, 2])
+    cases = [
+        Case("softmax_cross_entropy", {"logits": logits, "labels": labels}),
+        Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": np.ones(2)}),
+    ]
+    for path, (loss, grad) in {p: run_cases(cases, "float32", symbolic=False, path=p) for p in ("fused", "decomposed")}.items():
+        np.testing.assert_allclose(loss, [0.0, 15.0], atol=1e-4, err_msg=path)
+        np.testing.assert_allclose(grad, [[0.0, 0.0, 0.0], [0.0, 1.0, -1.0]], atol=1e-5, err_msg=path)
+
+
+def test_half_precision():
+    logits = RNG.standard_normal((6, 40)).astype(np.float16)
+    labels = _labels(6, 40, ignored=(2,))
+    cases = [
+        Case("softmax_cross_entropy", {"logits": logits, "labels": labels}, {"label_smoothing": 0.1}),
+        Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": np.ones(6)},
+             {"label_smoothing": 0.1}),
+    ]
+    for path, outs in _run_by_hand(cases, "float16").items():
+        for case, out in zip(cases, outs):
+            assert out.dtype == np.float16
+            np.testing.assert_allclose(out.astype(np.float64), case.reference("float16"), atol=3e-3, err_msg=f"{path} {case.op}")
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_input_labels():
+    z = tensor_var("logits", (4, 5))
+    assert_op_error(lambda: ops.softmax_cross_entropy(z, tensor_var("labels", (4,), "float32")),
+                    "softmax_cross_entropy", "labels", "float32")
+    assert_op_error(lambda: ops.softmax_cross_entropy(z, tensor_var("labels", (3,), "int64")),
+                    "softmax_cross_entropy", "labels", "[3]")
+    assert_op_error(lambda: ops.softmax_cross_entropy(z, tensor_var("labels", (4, 1), "int64")),
+                    "softmax_cross_entropy", "labels", "rank 1")
+    assert_op_error(lambda: ops.softmax_cross_entropy(z, relax.const(np.array([0, 4, 5, -100], np.int64))),
+                    "softmax_cross_entropy", "labels", "[0, 5)", "5")
+    emit_call(ops.softmax_cross_entropy(z, relax.const(np.array([0, 4, -1, 2], np.int64)), ignore_index=-1))
+
+
+def test_bad_input_logits_and_d_loss():
+    labels = tensor_var("labels", (4,), "int32")
+    assert_op_error(lambda: ops.softmax_cross_entropy(tensor_var("logits", (4, 5, 2)), labels),
+                    "softmax_cross_entropy", "logits", "rank 2", "rank 3")
+    assert_op_error(lambda: ops.softmax_cross_entropy(tensor_var("logits", (4, 5), "int32"), labels),
+                    "softmax_cross_entropy", "logits", "int32")
+    z = tensor_var("logits", (4, 5))
+    assert_op_error(lambda: ops.softmax_cross_entropy_backward(z, labels, tensor_var("d_loss", (5,))),
+                    "softmax_cross_entropy_backward", "d_loss", "[5]")
+    assert_op_error(lambda: ops.softmax_cross_entropy_backward(z, labels, tensor_var("d_loss", (4, 1))),
+                    "softmax_cross_entropy_backward", "d_loss", "rank")
+    assert_op_error(lambda: ops.softmax_cross_entropy_backward(z, labels, tensor_var("d_loss", (4,), "float64")),
+                    "softmax_cross_entropy_backward", "d_loss", "float64")
+
+
+def test_bad_input_attributes():
+    z, labels = tensor_var("logits", (4, 5)), tensor_var("labels", (4,), "int64")
+    for bad in (1.5, -0.1, float("nan")):
+        assert_op_error(lambda: ops.softmax_cross_entropy(z, labels, label_smoothing=bad),
+                        "softmax_cross_entropy", "label_smoothing", "<= 1.0")
+    assert_op_error(lambda: ops.softmax_cross_entropy_backward(z, labels, tensor_var("d_loss", ()), ignore_index=0.5),
+                    "softmax_cross_entropy_backward", "ignore_index", "integer")
+
+
+# -- gradient rule of rlx.softmax_cross_entropy (checked numerically by tests/test_gradients.py) --
+
+
+def _grad_cases():
+    labels = np.array([1, -100, 3, 0, 3])
+    w = RNG.standard_normal(5)
+    return [
+        GradCase("rlx.softmax_cross_entropy", {"logits": RNG.standard_normal((5, 4)), "labels": labels, "w": w},
+                 lambda z, t, w: op.sum(op.multiply(ops.softmax_cross_entropy(z, t), w)), wrt=["logits"]),
+        GradCase("rlx.softmax_cross_entropy(ls=0.2, mean)", {"logits": RNG.standard_normal((5, 4)), "labels": labels},
+                 lambda z, t: op.mean(ops.softmax_cross_entropy(z, t, label_smoothing=0.2)), wrt=["logits"]),
+    ]
+
+
+GRAD_CASES = _grad_cases()
+
+
+def test_gradient_rule_emits_the_backward_op():
+    bb = relax.BlockBuilder()
+    z, t = tensor_var("logits", (6, 3)), tensor_var("labels", (6,), "int64")
+    with bb.function("main", [z, t]):
+        with bb.dataflow():
+            loss = bb.emit_output(op.mean(ops.softmax_cross_entropy(z, t, label_smoothing=0.1)))
+        bb.emit_func_output(loss)
+    adjoint = autodiff.grad(bb.get(), "main", wrt=["logits"])
+    in_adjoint = count_rlx_calls(tvm.IRModule({"main_adjoint": adjoint["main_adjoint"]}))
+    assert in_adjoint == {"softmax_cross_entropy": 1, "softmax_cross_entropy_backward": 1}

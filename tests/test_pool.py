@@ -1,0 +1,311 @@
+"""max_pool2d_backward: fused and decomposed paths vs the NumPy reference, the reference vs a naive
+per-window implementation of the definition, fp64 finite differences of an independent NumPy
+max_pool2d, the SPEC §8 traps (ties, padding, overlapping windows on large inputs, ceil_mode),
+the decomposition policy, bad input, and the gradient rule of R.nn.max_pool2d (second derivative
+exactly zero)."""
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+
+from rlx_tvm import autodiff, ops
+from rlx_tvm.passes import DecomposeBackwardOps, count_rlx_calls
+from rlx_tvm.testing import Case, GradCase, check_finite_differences, compare, run_cases
+
+from .helpers import MATRIX, assert_op_error, tensor_var
+
+RNG = np.random.default_rng(5)
+
+
+# -- an independent NumPy max_pool2d and its gradient, window by window --------------------------
+
+
+def _pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def _pads(p):
+    if isinstance(p, int):
+        return (p, p, p, p)
+    return (p[0], p[1], p[0], p[1]) if len(p) == 2 else tuple(p)
+
+
+def _out_size(size, before, after, k, s, d, ceil_mode):
+    """PyTorch's pooled size; with ceil_mode a window starting in the trailing padding is dropped."""
+    room = size + before + after - d * (k - 1) - 1
+    out = (room + s - 1) // s + 1 if ceil_mode else room // s + 1
+    if ceil_mode and (out - 1) * s >= size + before:
+        out -= 1
+    return out
+
+
+def _windows(shape, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
+    """For each window (oy, ox): its real (in-input) positions in row-major window order."""
+    h, w = shape[2:]
+    (kh, kw), (dh, dw) = _pair(kernel_size), _pair(dilation)
+    sh, sw = _pair(stride if stride is not None else kernel_size)
+    pt, pl, pb, pr = _pads(padding)
+    ho = _out_size(h, pt, pb, kh, sh, dh, ceil_mode)
+    wo = _out_size(w, pl, pr, kw, sw, dw, ceil_mode)
+    out = {}
+    for oy in range(ho):
+        for ox in range(wo):
+            out[oy, ox] = [(oy * sh - pt + i * dh, ox * sw - pl + j * dw) for i in range(kh) for j in range(kw)
+                           if 0 <= oy * sh - pt + i * dh < h and 0 <= ox * sw - pl + j * dw < w]
+    return (ho, wo), out
+
+
+def max_pool2d(x, **attrs):
+    (ho, wo), windows = _windows(x.shape, **attrs)
+    y = np.full(x.shape[:2] + (ho, wo), -np.inf)
+    for (oy, ox), pos in windows.items():
+        for r, c in pos:
+            y[:, :, oy, ox] = np.maximum(y[:, :, oy, ox], x[:, :, r, c])
+    return y
+
+
+def max_pool2d_vjp(x, dy, **attrs):
+    """Each window's dy to its first maximal real position (a strict '>' scan in window order)."""
+    _, windows = _windows(x.shape, **attrs)
+    dx = np.zeros_like(x, dtype=np.float64)
+    for n in range(x.shape[0]):
+        for ch in range(x.shape[1]):
+            for (oy, ox), pos in windows.items():
+                best = None
+                for r, c in pos:
+                    if best is None or x[n, ch, r, c] > x[n, ch, best[0], best[1]]:
+                        best = (r, c)
+                if best is not None:
+                    dx[n, ch, best[0], best[1]] += dy[n, ch, oy, ox]
+    return dx
+
+
+# -- cases ----------------------------------------------------------------------------------------
+
+
+def _distinct(*shape):
+    """Values 0.1 apart, shuffled: no ties, and finite differences never change an argmax."""
+    return RNG.permutation(np.prod(shape)).reshape(shape) * 0.1 - 1.0
+
+
+def pool_case(label, x, batch=("x", 0), fd=True, **attrs):
+    dy = RNG.standard_normal(max_pool2d(x, **attrs).shape)
+    spec = None if batch is None else {"x": batch[1], "dy": batch[1]}
+    return Case("max_pool2d_backward", {"x": x, "dy": dy}, attrs, batch=spec, label=f"max_pool2d_backward[{label}]",
+                forward=(lambda x, a=attrs: max_pool2d(x, **a)) if fd else None, wrt="x")
+
+
+CASES = [
+    pool_case("k2, default stride", _distinct(2, 3, 6, 7), kernel_size=2),
+    pool_case("k3 s2 p1 ceil_mode", _distinct(2, 2, 7, 8), kernel_size=3, stride=2, padding=1, ceil_mode=True),
+    pool_case("k3 s1 p1 overlapping, symbolic channels", _distinct(1, 3, 6, 6), batch=("x", 1),
+              kernel_size=3, stride=1, padding=1),
+    pool_case("rect kernel, dilation, 4-tuple padding", _distinct(3, 1, 9, 8), kernel_size=(2, 3), stride=(2, 1),
+              padding=(1, 0, 0, 1), dilation=(2, 1)),
+    pool_case("ties: rounded input", np.round(RNG.standard_normal((2, 2, 6, 6))), fd=False,
+              kernel_size=3, stride=2, padding=1),
+]
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+
+@lru_cache(maxsize=None)
+def _outputs(dtype, symbolic, path, cases="CASES"):
+    """Outputs by case name of one case set; cached, so each module is compiled once."""
+    selected = [c for c in CASE_SETS[cases] if c.batch is not None or not symbolic]
+    return dict(zip((c.name for c in selected), run_cases(selected, dtype, symbolic=symbolic, path=path)))
+
+
+@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
+def test_matches_reference(dtype, shape_mode, path):
+    outs = _outputs(dtype, shape_mode == "symbolic", path)
+    failures = [f"{name}: {problem}" for name, out in outs.items()
+                if (problem := compare(out, CASE_BY_NAME[name].reference(dtype), dtype))]
+    assert not failures, "\n".join(failures)
+
+
+def test_reference_matches_the_definition():
+    for case in CASES + TRAP_CASES:
+        want = max_pool2d_vjp(case.inputs["x"], case.inputs["dy"], **case.attrs)
+        np.testing.assert_allclose(case.reference(), want, rtol=1e-13, atol=1e-13, err_msg=case.name)
+
+
+def test_finite_differences():
+    check_finite_differences(CASES)
+
+
+# -- SPEC §8 traps: both paths, float64, vs the window-by-window definition ------------------------
+
+
+def _trap(label, x, dy=None, **attrs):
+    dy = RNG.standard_normal(max_pool2d(x, **attrs).shape) if dy is None else dy
+    return Case("max_pool2d_backward", {"x": x, "dy": dy}, attrs, batch={"x": 0, "dy": 0}, label=label)
+
+
+_all_neg_inf = -RNG.uniform(1.0, 2.0, (1, 2, 5, 5))
+_all_neg_inf[0, 1] = -np.inf
+TRAP_CASES = [
+    _trap("ties: constant input", np.full((2, 2, 5, 5), 0.5), kernel_size=3, stride=2, padding=1),
+    _trap("ties: constant input, overlapping", np.zeros((1, 1, 5, 6)), kernel_size=3, stride=1, padding=1),
+    _trap("padding: all negative, one channel all -inf", _all_neg_inf, kernel_size=3, stride=2, padding=1),
+    _trap("overlapping k3 s1 on 2*1*50*50 > 4096 elements", _distinct(2, 1, 50, 50), kernel_size=3, stride=1),
+    _trap("ceil_mode", _distinct(1, 2, 8, 8), kernel_size=3, stride=2, ceil_mode=True),
+    _trap("ceil_mode drops a window starting in the padding", _distinct(1, 1, 5, 5), kernel_size=2, stride=2,
+          padding=1, ceil_mode=True),
+]
+TRAP_BY_NAME = {c.name: c for c in TRAP_CASES}
+CASE_SETS = {"CASES": CASES, "TRAP_CASES": TRAP_CASES}
+
+
+def _trap_results(name):
+    """(case, {path: output}) for the trap case; each output checked against the definition."""
+    case = TRAP_BY_NAME[name]
+    want = max_pool2d_vjp(case.inputs["x"], case.inputs["dy"], **case.attrs)
+    outs = {}
+    for symbolic in (False, True):
+        for path in ("fused", "decomposed"):
+            out = _outputs("float64", symbolic, path, "TRAP_CASES")[name]
+            np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12, err_msg=f"{name} {path} symbolic={symbolic}")
+            outs[path, symbolic] = out
+    return case, outs
+
+
+def test_ties_one_winner_per_window_the_first():
+    for name in ("ties: constant input", "ties: constant input, overlapping"):
+        case, outs = _trap_results(name)
+        x, dy = case.inputs["x"], case.inputs["dy"]
+        _, windows = _windows(x.shape, **case.attrs)
+        # On a constant input every window's first real position wins, and only it.
+        want = np.zeros_like(x)
+        for (oy, ox), pos in windows.items():
+            want[:, :, pos[0][0], pos[0][1]] += dy[:, :, oy, ox]
+        for key, out in outs.items():
+            np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12, err_msg=str(key))
+        # ... and the two paths agree bit for bit.
+        np.testing.assert_array_equal(outs["fused", False], outs["decomposed", False])
+
+
+def test_padding_never_wins_even_against_negative_or_minus_inf_input():
+    case, outs = _trap_results("padding: all negative, one channel all -inf")
+    for key, out in outs.items():
+        # Every window hands its whole dy to some input position: nothing is lost to padding.
+        np.testing.assert_allclose(out.sum(axis=(2, 3)), case.inputs["dy"].sum(axis=(2, 3)), rtol=1e-12, err_msg=str(key))
+        assert np.all(np.isfinite(out)), key
+
+
+def test_overlapping_windows_on_a_large_input_accumulate():
+    case, outs = _trap_results("overlapping k3 s1 on 2*1*50*50 > 4096 elements")
+    assert case.inputs["x"].size > 4096 and case.inputs["dy"].size > 4096
+    for key, out in outs.items():
+        assert out.max() > np.abs(case.inputs["dy"]).max(), key  # some position won several windows
+
+
+def test_ceil_mode():
+    for name in ("ceil_mode", "ceil_mode drops a window starting in the padding"):
+        case, outs = _trap_results(name)
+    assert TRAP_BY_NAME["ceil_mode"].inputs["dy"].shape[2:] == (4, 4)  # floor mode: 3x3
+    assert TRAP_BY_NAME["ceil_mode drops a window starting in the padding"].inputs["dy"].shape[2:] == (3, 3)
+
+
+# -- decomposition policy ---------------------------------------------------------------------
+
+
+def test_decomposed_unless_x_and_dy_dims_differ():
+    n, m = tirx.Var("n", "int64"), tirx.Var("m", "int64")
+    for (xs, dys), decomposed in ((((n, 2, 6, 6), (n, 2, 3, 3)), True), (((n, 2, 6, 6), (m, 2, 3, 3)), False)):
+        call = ops.max_pool2d_backward(tensor_var("x", xs), tensor_var("dy", dys), kernel_size=2)
+        bb = relax.BlockBuilder()
+        with bb.function("main", list(call.args)):
+            with bb.dataflow():
+                out = bb.emit_output(bb.emit(call))
+            bb.emit_func_output(out)
+        assert (not count_rlx_calls(DecomposeBackwardOps()(bb.get()))) == decomposed, (xs, dys)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def _call(x_shape, dy_shape, dtype="float32", dy_dtype=None, **attrs):
+    return lambda: ops.max_pool2d_backward(tensor_var("x", x_shape, dtype), tensor_var("dy", dy_shape, dy_dtype or dtype), **attrs)
+
+
+def test_bad_input_wrong_layout_rank():
+    assert_op_error(_call((2, 6, 6), (2, 3, 3), kernel_size=2), "max_pool2d_backward", "x", "rank 4", "rank 3")
+
+
+def test_bad_input_mismatched_shapes():
+    assert_op_error(_call((2, 3, 6, 6), (2, 4, 3, 3), kernel_size=2), "max_pool2d_backward", "dy", "channels")
+    assert_op_error(_call((2, 3, 6, 6), (1, 3, 3, 3), kernel_size=2), "max_pool2d_backward", "dy", "batch")
+    msg = assert_op_error(_call((2, 3, 7, 7), (2, 3, 4, 3), kernel_size=2), "max_pool2d_backward", "dy", "dim 2 == 3", "4")
+    assert "ceil_mode=False" in msg
+    assert_op_error(_call((2, 3, 7, 7), (2, 3, 3, 3), kernel_size=2, ceil_mode=True), "max_pool2d_backward", "dy", "dim 2 == 4")
+
+
+def test_bad_input_kernel_larger_than_padded_input():
+    assert_op_error(_call((1, 1, 3, 3), (1, 1, 1, 1), kernel_size=4), "max_pool2d_backward", "kernel_size", "extent 4")
+    assert_op_error(_call((1, 1, 5, 5), (1, 1, 1, 1), kernel_size=3, dilation=3), "max_pool2d_backward", "kernel_size", "extent 7")
+
+
+def test_bad_input_attribute_values():
+    for attrs, arg in (({"stride": 0}, "stride"), ({"dilation": (1, 0)}, "dilation"), ({"padding": -1}, "padding"),
+                       ({"kernel_size": 0}, "kernel_size"), ({"ceil_mode": 1}, "ceil_mode")):
+        assert_op_error(_call((1, 1, 6, 6), (1, 1, 3, 3), **{"kernel_size": 2, **attrs}), "max_pool2d_backward", arg)
+    assert_op_error(_call((1, 1, 6, 6), (1, 1, 3, 3)), "max_pool2d_backward", "kernel_size", "required")
+
+
+def test_bad_input_dtype():
+    assert_op_error(_call((1, 1, 6, 6), (1, 1, 3, 3), "int32", kernel_size=2), "max_pool2d_backward", "x", "int32")
+    assert_op_error(_call((1, 1, 6, 6), (1, 1, 3, 3), dy_dtype="float64", kernel_size=2), "max_pool2d_backward", "dy", "float64")
+
+
+# -- the gradient of R.nn.max_pool2d; its second derivative is exactly zero -----------------------
+
+
+def _pool_loss(square, **attrs):
+    def build(x, c):
+        y = relax.op.nn.max_pool2d(x, **attrs)
+        return relax.op.sum(relax.op.multiply(relax.op.multiply(y, y) if square else y, c))
+
+    return build
+
+
+_POOL = dict(pool_size=3, strides=2, padding=1, ceil_mode=True)
+_x = _distinct(2, 2, 6, 7)
+# For tests/test_gradients.py (first order float32/float64, Hessian-vector products).
+GRAD_CASES = [
+    GradCase("max_pool2d k3 s2 p1 ceil (squared)", {"x": _x, "c": RNG.standard_normal((2, 2, 4, 4))},
+             _pool_loss(True, **_POOL), wrt=["x"]),
+]
+
+
+def test_max_pool2d_gradient_rule_emits_the_rlx_op():
+    bb = relax.BlockBuilder()
+    params = [tensor_var("x", _x.shape, "float64"), tensor_var("c", (2, 2, 4, 4), "float64")]
+    with bb.function("f", params):
+        with bb.dataflow():
+            out = bb.emit_output(_pool_loss(False, **_POOL)(*params))
+        bb.emit_func_output(out)
+    mod = autodiff.grad(bb.get(), "f", wrt=["x"])
+    assert count_rlx_calls(mod) == {"max_pool2d_backward": 1}
+
+
+def test_second_derivative_is_exactly_zero():
+    """H v for a loss linear in max_pool2d(x): the decomposition's x-dependence is only through
+    comparisons, so the Hessian is exactly 0 (not merely small), and the gradient is the definition's."""
+    ties = np.round(RNG.standard_normal(_x.shape))  # ties too: the first max wins in both orders
+    bb = relax.BlockBuilder()
+    params = [tensor_var("x", _x.shape, "float64"), tensor_var("c", (2, 2, 4, 4), "float64")]
+    with bb.function("f", params):
+        with bb.dataflow():
+            out = bb.emit_output(_pool_loss(False, **_POOL)(*params))
+        bb.emit_func_output(out)
+    mod = autodiff.hvp(bb.get(), "f", wrt=["x"])
+    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    c = RNG.standard_normal((2, 2, 4, 4))
+    attrs = dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)
+    for x in (_x, ties):
+        _, (grad,), (hv,) = vm["f_hvp"](*[tvm.runtime.tensor(a) for a in (x, c, RNG.standard_normal(x.shape))])
+        np.testing.assert_array_equal(hv.numpy(), 0.0)
+        np.testing.assert_allclose(grad.numpy(), max_pool2d_vjp(x, c, **attrs), rtol=1e-12, atol=1e-12)
