@@ -12,6 +12,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(target=args.target, dtype=args.dtype)
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .examples.tiny_transformer import Config, train
+
+    c = Config(dtype=args.dtype, batch=args.batch, seq=args.seq)
+    losses = train(steps=args.steps, lr=args.lr, report_every=args.report_every, target=args.target, c=c)
+    return 0 if sum(losses[-10:]) / len(losses[-10:]) < losses[0] else 1
+
+
 def _cmd_ops(args: argparse.Namespace) -> int:
     from .ops import all_ops
 
@@ -43,6 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--target", default="llvm", help="TVM target to compile for (default: llvm, the local CPU)")
     demo.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="input dtype (default float32)")
     demo.set_defaults(func=_cmd_demo)
+
+    tr = sub.add_parser(
+        "train",
+        help="train the example transformer block with SGD through rlx_tvm (the main job)",
+        description=(
+            "Builds a one-block causal transformer LM (take embedding, rms_norm, rope, causal attention, gelu MLP, "
+            "softmax cross-entropy) as ordinary Relax, differentiates it with rlx_tvm.autodiff (the backward graph "
+            "is made of rlx ops), compiles it with tvm.compile and trains it with SGD on synthetic next-token data, "
+            "printing the loss curve and the time per step."
+        ),
+    )
+    tr.add_argument("--steps", type=int, default=300, help="SGD steps (default 300)")
+    tr.add_argument("--lr", type=float, default=0.5, help="learning rate (default 0.5)")
+    tr.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    tr.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    tr.add_argument("--report-every", type=int, default=25, help="print a table row every N steps (default 25)")
+    tr.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter dtype")
+    tr.add_argument("--target", default="llvm", help="TVM target (default: llvm, the local CPU)")
+    tr.set_defaults(func=_cmd_train)
 
     ops = sub.add_parser("ops", help="list the registered rlx ops and their signatures",
                          description="Lists every relax.rlx.* operator with its inputs and attributes.")

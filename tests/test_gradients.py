@@ -1,5 +1,12 @@
 """Gradient rules: rlx_tvm.autodiff.grad on ordinary Relax models vs finite differences, and second
-order (hvp, nth_order_grad) through each op family."""
+order (Hessian-vector products) through each op family.
+
+Each family's test module may export ``GRAD_CASES`` (list of ``rlx_tvm.testing.GradCase``): scalar
+functions of Relax forward ops whose gradients the family's rules provide. They are all checked here,
+first order in float32 and float64, second order in float64.
+"""
+
+import importlib
 
 import numpy as np
 import pytest
@@ -39,7 +46,18 @@ def activation_cases():
     return cases
 
 
-GRAD_CASES = activation_cases()
+def _family_cases():
+    cases = []
+    for fam in ("norm", "rope", "loss", "indexing", "quantize", "conv", "pool", "attention", "scan"):
+        try:
+            mod = importlib.import_module(f"tests.test_{fam}")
+        except ModuleNotFoundError:
+            continue
+        cases.extend(getattr(mod, "GRAD_CASES", []))
+    return cases
+
+
+GRAD_CASES = activation_cases() + _family_cases()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

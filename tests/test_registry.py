@@ -13,7 +13,7 @@ from rlx_tvm.ops import all_ops, get_op
 from rlx_tvm.passes import DecomposeBackwardOps, count_rlx_calls
 from rlx_tvm.testing import build_loss_module, build_module
 
-FAMILY_TESTS = ["activation", "norm", "rope", "loss", "indexing", "quantize", "conv", "pool", "attention"]
+FAMILY_TESTS = ["activation", "norm", "rope", "loss", "indexing", "quantize", "conv", "pool", "attention", "scan"]
 
 
 def _all_cases():

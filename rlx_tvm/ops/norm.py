@@ -33,11 +33,14 @@ normalized extent (and group block) static, since TVM's ``mean`` gradient reads 
 
 from __future__ import annotations
 
+import importlib
 from functools import reduce
 from operator import mul
 
 import numpy as np
+import tvm
 from tvm import relax, te, tirx
+from tvm.relax.transform.legalize_ops import nn as _tvm_legalize
 
 from ._math import acc_dtype, tensor_dtype
 from .registry import Attr, check_float, check_int, define_op, fmt_shape
@@ -228,27 +231,41 @@ def _shape(e):
 
 
 class _Rows:
-    """Index algebra for reductions along one axis of a TE tensor's shape. Stages over the
-    reduced ("row") shape are read back on full indices with ``at``."""
+    """Index algebra for reductions along a set of axes of a TE tensor's shape (one axis for the
+    backward ops, any set for the forward legalizations). Stages over the reduced ("row") shape,
+    the normalized axes dropped, are read back on full indices with ``at``."""
 
-    def __init__(self, shape, axis: int, acc: str):
+    def __init__(self, shape, axes, acc: str):
         self.shape = list(shape)
-        self.axis = axis
+        self.axes = sorted({axes} if isinstance(axes, int) else set(axes))
         self.acc = acc
-        self.extent = self.shape[axis]
-        self.count = self.extent.astype(acc)
-        self.row_shape = self.shape[:axis] + self.shape[axis + 1:]
+        self.extents = [self.shape[k] for k in self.axes]
+        self.count = reduce(mul, self.extents).astype(acc)
+        self.row_shape = [d for k, d in enumerate(self.shape) if k not in self.axes]
+
+    def _split(self, i):
+        return tuple(v for k, v in enumerate(i) if k not in self.axes)
+
+    def _join(self, outer, inner):
+        """Full indices from row indices ``outer`` and normalized-axis indices ``inner``."""
+        outer, inner = iter(outer), iter(inner)
+        return tuple(next(inner) if k in self.axes else next(outer) for k in range(len(self.shape)))
 
     def at(self, t):
-        """A row-shaped stage as a function of full indices (the normalized axis dropped)."""
-        return lambda i: t(*i[: self.axis], *i[self.axis + 1:])
+        """A row-shaped stage as a function of full indices (the normalized axes dropped)."""
+        return lambda i: t(*self._split(i))
+
+    def _reduce_axes(self, name, axes):
+        if len(axes) == 1:
+            return [te.reduce_axis((0, self.shape[axes[0]]), name=f"{name}_j")]
+        return [te.reduce_axis((0, self.shape[k]), name=f"{name}_j{k}") for k in axes]
 
     def row_sum(self, name, f):
-        """Row-shaped stage: sum of ``f`` (a function of full indices) along the axis."""
+        """Row-shaped stage: sum of ``f`` (a function of full indices) over the normalized axes."""
 
         def body(*o):
-            j = te.reduce_axis((0, self.extent), name=f"{name}_j")
-            return te.sum(f((*o[: self.axis], j, *o[self.axis:])), axis=j)
+            red = self._reduce_axes(name, self.axes)
+            return te.sum(f(self._join(o, red)), axis=red)
 
         return te.compute(self.row_shape, body, name=name)
 
@@ -257,15 +274,15 @@ class _Rows:
         return lambda i: total(i) / self.count
 
     def column_sum(self, name, f):
-        """[H] stage: sum of ``f`` over every axis but the normalized one."""
-        others = [k for k in range(len(self.shape)) if k != self.axis]
+        """Stage of the normalized axes' shape: sum of ``f`` over every other axis."""
+        others = [k for k in range(len(self.shape)) if k not in self.axes]
 
-        def body(j):
+        def body(*j):
             red = {k: te.reduce_axis((0, self.shape[k]), name=f"{name}_k{k}") for k in others}
-            idx = tuple(j if k == self.axis else red[k] for k in range(len(self.shape)))
+            idx = self._join([red[k] for k in others], j)
             return te.sum(f(idx), axis=list(red.values())) if red else f(idx)
 
-        return te.compute((self.extent,), body, name=name)
+        return te.compute(self.extents, body, name=name)
 
 
 def _loader(t, acc):
@@ -292,27 +309,45 @@ def _te_rms_r(rows: _Rows, x, eps):
 
 
 class _Groups:
-    """Index algebra for group norm on [N, C, *spatial]: block (n, g) holds channels
-    ``g*D .. g*D + D - 1`` (``D = C / G``) at every spatial position."""
+    """Index algebra for group norm: block (batch index, g) holds channels ``g*D .. g*D + D - 1``
+    (``D = C / G``) at every position of the reduced ``axes``; the remaining axes are batch axes.
+    The default layout is [N, C, *spatial] (channel 1, every axis after it reduced)."""
 
-    def __init__(self, shape, groups: int, acc: str):
+    def __init__(self, shape, groups: int, acc: str, channel: int = 1, axes=None):
         self.shape = list(shape)
+        ndim = len(self.shape)
         self.groups = groups
         self.acc = acc
-        self.per_group = int(self.shape[1]) // groups
-        self.spatial = self.shape[2:]
-        self.block_shape = (self.shape[0], groups)
+        self.channel = channel
+        self.axes = list(range(2, ndim)) if axes is None else sorted(axes)
+        self.batch = [k for k in range(ndim) if k != channel and k not in self.axes]
+        channels = self.shape[channel]
+        if not isinstance(channels, (int, tirx.IntImm)):
+            raise ValueError(f"rlx group norm kernels need a static channel count, got {channels}")
+        self.per_group = int(channels) // groups
+        self.spatial = [self.shape[k] for k in self.axes]
+        self.block_shape = (*[self.shape[k] for k in self.batch], groups)
         self.count = reduce(mul, self.spatial, tirx.const(self.per_group, "int64")).astype(acc)
+
+    def _names(self, name, axes, letter):
+        return [f"{name}_{letter}" if len(axes) == 1 and letter == "n" else f"{name}_{letter}{j}"
+                for j in range(len(axes))]
+
+    def _full(self, parts):
+        """Full indices from {axis: index}."""
+        return tuple(parts[k] for k in range(len(self.shape)))
 
     def at(self, t):
         """A block-shaped stage as a function of full indices."""
-        return lambda i: t(i[0], i[1] // self.per_group)
+        return lambda i: t(*[i[k] for k in self.batch], i[self.channel] // self.per_group)
 
     def block_sum(self, name, f):
-        def body(n, g):
+        def body(*o):
+            *b, g = o
             c = te.reduce_axis((0, self.per_group), name=f"{name}_c")
-            sp = [te.reduce_axis((0, s), name=f"{name}_s{k}") for k, s in enumerate(self.spatial)]
-            return te.sum(f((n, g * self.per_group + c, *sp)), axis=[c, *sp])
+            sp = [te.reduce_axis((0, s), name=n) for s, n in zip(self.spatial, self._names(name, self.axes, "s"))]
+            parts = {**dict(zip(self.batch, b)), self.channel: g * self.per_group + c, **dict(zip(self.axes, sp))}
+            return te.sum(f(self._full(parts)), axis=[c, *sp])
 
         return te.compute(self.block_shape, body, name=name)
 
@@ -321,14 +356,15 @@ class _Groups:
         return lambda i: total(i) / self.count
 
     def channel_sum(self, name, f):
-        """[C] stage: sum of ``f`` over the batch and spatial axes."""
+        """[C] stage: sum of ``f`` over the batch and reduced axes."""
 
         def body(c):
-            n = te.reduce_axis((0, self.shape[0]), name=f"{name}_n")
-            sp = [te.reduce_axis((0, s), name=f"{name}_s{k}") for k, s in enumerate(self.spatial)]
-            return te.sum(f((n, c, *sp)), axis=[n, *sp])
+            n = [te.reduce_axis((0, self.shape[k]), name=m) for k, m in zip(self.batch, self._names(name, self.batch, "n"))]
+            sp = [te.reduce_axis((0, s), name=m) for s, m in zip(self.spatial, self._names(name, self.axes, "s"))]
+            parts = {**dict(zip(self.batch, n)), self.channel: c, **dict(zip(self.axes, sp))}
+            return te.sum(f(self._full(parts)), axis=[*n, *sp])
 
-        return te.compute((self.shape[1],), body, name=name)
+        return te.compute((self.shape[self.channel],), body, name=name)
 
 
 def _te_group_stats(groups: _Groups, x, eps):
@@ -731,6 +767,143 @@ def _gn_beta_fused(bb, x, dy, *, num_groups, eps):
 
 
 # --------------------------------------------------------------------------------------------
+# Legalizations of Relax's own norms: float16/float32/float64, any axes
+# --------------------------------------------------------------------------------------------
+
+# TVM registers its legalizations with ``register_legalize`` = ``register_op_attr(op, "FLegalize",
+# fn)`` at the default level 10; the highest level wins, a lower one is silently ignored and the
+# same level raises.
+LEGALIZE_LEVEL = 20
+# Op attribute recording that this module's dispatcher is registered (persists across reloads
+# and fresh re-imports of the module, unlike any Python global).
+_LEGALIZE_MARK = "rlx_tvm.norm_legalize_level"
+_LEGALIZED_DTYPES = ("float16", "float32", "float64")
+
+
+def _attr_axes(axes, ndim: int) -> list[int]:
+    return [int(a) % ndim for a in axes]
+
+
+def _legalize_layer_norm(bb, call):
+    """y = (x - mean) * (var + eps)^(-1/2) [* gamma] [+ beta] over ``axes`` (any set, in any
+    order: gamma and beta are laid out in the order of ``axes``); statistics in two passes, in
+    float32 at least. ``scale`` / ``center`` False drop gamma / beta."""
+    x, gamma, beta = call.args
+    dtype = tensor_dtype(x)
+    if dtype not in _LEGALIZED_DTYPES:
+        return _tvm_legalize._nn_layer_norm(bb, call)
+    acc = acc_dtype(dtype)
+    attrs = call.attrs
+    axes = _attr_axes(attrs.axes, x.ty.ndim)
+    eps, scale, center = float(attrs.epsilon), bool(attrs.scale), bool(attrs.center)
+
+    def kernel(xt, *params):
+        rows = _Rows(xt.shape, axes, acc)
+        xh, _ = _te_layer_stats(rows, _loader(xt, acc), eps)
+        gt = params[0] if scale else None
+        bt = params[-1] if center else None
+
+        def y(*i):
+            p = [i[a] for a in axes]
+            v = xh(i)
+            if gt is not None:
+                v = v * gt(*p).astype(acc)
+            if bt is not None:
+                v = v + bt(*p).astype(acc)
+            return v.astype(dtype)
+
+        return te.compute(xt.shape, y, name="y")
+
+    params = [gamma] * scale + [beta] * center
+    return _call_te(bb, "layer_norm", kernel, x, *params)
+
+
+def _legalize_rms_norm(bb, call):
+    """y = x * (mean(x^2) + eps)^(-1/2) * weight over ``axes`` (any set; weight in their order)."""
+    x, weight = call.args
+    dtype = tensor_dtype(x)
+    if dtype not in _LEGALIZED_DTYPES:
+        return _tvm_legalize._nn_rms_norm(bb, call)
+    acc = acc_dtype(dtype)
+    axes = _attr_axes(call.attrs.axes, x.ty.ndim)
+    eps = float(call.attrs.epsilon)
+
+    def kernel(xt, wt):
+        rows = _Rows(xt.shape, axes, acc)
+        xv = _loader(xt, acc)
+        r = _te_rms_r(rows, xv, eps)
+        return te.compute(
+            xt.shape, lambda *i: (xv(i) * r(i) * wt(*[i[a] for a in axes]).astype(acc)).astype(dtype), name="y"
+        )
+
+    return _call_te(bb, "rms_norm", kernel, x, weight)
+
+
+def _legalize_group_norm(bb, call):
+    """Per (batch index, group) block of C/G channels times the reduced ``axes``: layer norm,
+    then [* gamma_c] [+ beta_c]. Any layout (``channel_axis``, ``axes``; the other axes are
+    batch axes, any number of them)."""
+    x, gamma, beta = call.args
+    dtype = tensor_dtype(x)
+    if dtype not in _LEGALIZED_DTYPES:
+        return _tvm_legalize._nn_group_norm(bb, call)
+    acc = acc_dtype(dtype)
+    attrs = call.attrs
+    ndim = x.ty.ndim
+    channel = int(attrs.channel_axis) % ndim
+    axes = _attr_axes(attrs.axes, ndim)
+    groups, eps = int(attrs.num_groups), float(attrs.epsilon)
+    scale, center = bool(attrs.scale), bool(attrs.center)
+
+    def kernel(xt, *params):
+        blocks = _Groups(xt.shape, groups, acc, channel, axes)
+        xh, _ = _te_group_stats(blocks, _loader(xt, acc), eps)
+        gt = params[0] if scale else None
+        bt = params[-1] if center else None
+
+        def y(*i):
+            v = xh(i)
+            if gt is not None:
+                v = v * gt[i[channel]].astype(acc)
+            if bt is not None:
+                v = v + bt[i[channel]].astype(acc)
+            return v.astype(dtype)
+
+        return te.compute(xt.shape, y, name="y")
+
+    params = [gamma] * scale + [beta] * center
+    return _call_te(bb, "group_norm", kernel, x, *params)
+
+
+_LEGALIZATIONS = {
+    "relax.nn.layer_norm": _legalize_layer_norm,
+    "relax.nn.rms_norm": _legalize_rms_norm,
+    "relax.nn.group_norm": _legalize_group_norm,
+}
+
+
+def _dispatch_legalize(bb, call):
+    # The module instance current at call time: after a reload or a fresh re-import the newest
+    # functions run, although TVM keeps the dispatcher registered first.
+    return importlib.import_module(__name__)._LEGALIZATIONS[call.op.name](bb, call)
+
+
+def _register_legalizations():
+    for name in _LEGALIZATIONS:
+        op = tvm.ir.Op.get(name)
+        try:
+            registered = op.get_attr(_LEGALIZE_MARK) is not None
+        except Exception:  # no op has the mark yet
+            registered = False
+        if not registered:
+            tvm.ir.register_op_attr(name, "FLegalize", _dispatch_legalize, level=LEGALIZE_LEVEL)
+            tvm.ir.register_op_attr(name, _LEGALIZE_MARK, LEGALIZE_LEVEL)
+
+
+_register_legalizations()
+
+
+# --------------------------------------------------------------------------------------------
 # Gradient rules: relax.transform.Gradient emits the ops above for Relax's own norms
 # --------------------------------------------------------------------------------------------
 
@@ -738,48 +911,82 @@ def _gn_beta_fused(bb, x, dy, *, num_groups, eps):
 GRADIENT_LEVEL = 20
 
 
-def _normalized_axes(call, ndim: int) -> list[int]:
-    axes = sorted(int(a) % ndim for a in call.attrs.axes)
-    if axes != list(range(axes[0], axes[-1] + 1)):
-        raise ValueError(
-            f"rlx gradient of {call.op.name}: argument 'axes' expected contiguous axes "
-            f"(they are merged into one normalized axis), got {list(call.attrs.axes)}"
-        )
-    return axes
+def _identity(e):
+    return e
 
 
-def _merge_axes(axes: list[int], x, *tensors):
-    """Reshape ``x``-shaped ``tensors`` so the normalized ``axes`` become one axis, and return
-    (merged tensors, axis, unmerge function for an ``x``-shaped result)."""
+def _rows_view(x, axes: list[int], *tensors):
+    """View ``x``-shaped ``tensors`` with the normalized ``axes`` as one axis: contiguous axes are
+    merged by a reshape, others first moved to the end (in increasing order) by a transpose.
+    Returns (views, axis, the view's shape, a function mapping a view-shaped result back)."""
     shape = _shape(x)
-    first, last = axes[0], axes[-1]
+    ndim = len(shape)
+    s = sorted(axes)
+    back = _identity
+    if s != list(range(s[0], s[-1] + 1)):
+        perm = [k for k in range(ndim) if k not in s] + s
+        inverse = [perm.index(k) for k in range(ndim)]
+        tensors = [_op.permute_dims(t, perm) for t in tensors]
+        shape = [shape[k] for k in perm]
+        s = list(range(ndim - len(s), ndim))
+        back = lambda e: _op.permute_dims(e, inverse)  # noqa: E731
+    first, last = s[0], s[-1]
     if first == last:
-        return list(tensors), first, lambda e: e
+        return list(tensors), first, shape, back
     merged = shape[:first] + [reduce(mul, shape[first:last + 1])] + shape[last + 1:]
-    return [_op.reshape(t, merged) for t in tensors], first, lambda e: _op.reshape(e, shape)
+    unpermuted = back
+    return ([_op.reshape(t, merged) for t in tensors], first, merged,
+            lambda e: unpermuted(_op.reshape(e, shape)))
 
 
-def _flat(v):
-    """A parameter of the normalized axes' shape as one [H] vector."""
-    return _op.reshape(v, [reduce(mul, _shape(v))]) if v.ty.ndim != 1 else v
+def _param_order(axes: list[int]) -> list[int]:
+    """Parameter dims (laid out in the order of ``axes``) sorted by their axis."""
+    return sorted(range(len(axes)), key=lambda k: axes[k])
 
 
-def _unflat(e, like):
-    return _op.reshape(e, _shape(like)) if like.ty.ndim != 1 else e
+def _param_vector(p, axes):
+    """A parameter of the normalized axes' shape (in the order of ``axes``) as the [H] vector
+    along the view of :func:`_rows_view` (axes increasing)."""
+    order = _param_order(axes)
+    size = reduce(mul, _shape(p))
+    if order != sorted(order):
+        p = _op.permute_dims(p, order)
+    return _op.reshape(p, [size]) if len(axes) != 1 else p
+
+
+def _param_like(v, p, axes):
+    """The inverse of :func:`_param_vector`: an [H] vector laid out like the parameter ``p``."""
+    order = _param_order(axes)
+    pshape = _shape(p)
+    if len(axes) != 1:
+        v = _op.reshape(v, [pshape[k] for k in order])
+    if order != sorted(order):
+        v = _op.permute_dims(v, [order.index(k) for k in range(len(order))])
+    return v
 
 
 def _layer_norm_gradient(orig_var, orig_call, output_grad, ctx):
-    """R.nn.layer_norm(x, gamma, beta; axes, epsilon): TVM's legalization always applies gamma
-    and beta (center/scale are ignored there), so the gradient does too."""
+    """R.nn.layer_norm(x, gamma, beta; axes, epsilon, center, scale), like its legalization
+    above: ``scale=False`` normalizes with gamma = 1 (and gamma gets a zero gradient),
+    ``center=False`` gives beta a zero gradient."""
     x, gamma, beta = orig_call.args
-    eps = float(orig_call.attrs.epsilon)
-    axes = _normalized_axes(orig_call, x.ty.ndim)
-    (xm, dym), a, unmerge = _merge_axes(axes, x, x, output_grad)
-    dx = layer_norm_backward_input(xm, _flat(gamma), dym, axis=a, eps=eps)
-    dgamma = layer_norm_backward_gamma(xm, dym, axis=a, eps=eps)
-    others = [i for i in range(x.ty.ndim) if i not in axes]
-    dbeta = _op.reshape(_op.sum(output_grad, axis=others, keepdims=True), _shape(beta)) if others else output_grad
-    return [unmerge(dx), _unflat(dgamma, gamma), dbeta]
+    attrs = orig_call.attrs
+    eps = float(attrs.epsilon)
+    axes = _attr_axes(attrs.axes, x.ty.ndim)
+    (xm, dym), a, view, back = _rows_view(x, axes, x, output_grad)
+    g = _param_vector(gamma, axes)
+    if not attrs.scale:
+        g = _op.ones_like(g)
+    dx = back(layer_norm_backward_input(xm, g, dym, axis=a, eps=eps))
+    if attrs.scale:
+        dgamma = _param_like(layer_norm_backward_gamma(xm, dym, axis=a, eps=eps), gamma, axes)
+    else:
+        dgamma = _op.zeros_like(gamma)
+    if attrs.center:
+        dbeta = _param_like(_relax_sum_to_vector(dym, view, a), beta, axes)
+    else:
+        dbeta = _op.zeros_like(beta)
+    return [dx, dgamma, dbeta]
 
 
 def _rms_norm_gradient(orig_var, orig_call, output_grad, ctx):
@@ -787,38 +994,44 @@ def _rms_norm_gradient(orig_var, orig_call, output_grad, ctx):
     enters none of their results) gets zeros."""
     x, weight = orig_call.args
     eps = float(orig_call.attrs.epsilon)
-    (xm, dym), a, unmerge = _merge_axes(_normalized_axes(orig_call, x.ty.ndim), x, x, output_grad)
-    w = _flat(weight)
+    axes = _attr_axes(orig_call.attrs.axes, x.ty.ndim)
+    (xm, dym), a, _, back = _rows_view(x, axes, x, output_grad)
+    w = _param_vector(weight, axes)
     beta = _op.zeros_like(w)
     dx = rms_norm_backward_input(xm, w, beta, dym, axis=a, eps=eps)
     dweight = rms_norm_backward_gamma(xm, w, beta, dym, axis=a, eps=eps)
-    return [unmerge(dx), _unflat(dweight, weight)]
+    return [back(dx), _param_like(dweight, weight, axes)]
 
 
 def _group_norm_gradient(orig_var, orig_call, output_grad, ctx):
-    """R.nn.group_norm(x, gamma, beta; num_groups, channel_axis, axes, epsilon). The ops take
-    [N, C, *spatial]; other layouts (e.g. NHWC) are transposed there and back."""
+    """R.nn.group_norm(x, gamma, beta; num_groups, channel_axis, axes, epsilon, center, scale).
+    The ops take [N, C, *spatial]: other layouts (e.g. NHWC) are transposed there and back, and
+    the batch axes (none, one or several) merged into N. center/scale as for layer norm."""
     x, gamma, beta = orig_call.args
     attrs = orig_call.attrs
-    ndim = x.ty.ndim
+    shape = _shape(x)
+    ndim = len(shape)
     channel = int(attrs.channel_axis) % ndim
-    reduced = [int(a) % ndim for a in attrs.axes]
+    reduced = sorted(_attr_axes(attrs.axes, ndim))
     batch = [i for i in range(ndim) if i != channel and i not in reduced]
-    if len(batch) != 1:
-        raise ValueError(
-            f"rlx gradient of relax.nn.group_norm: expected exactly one batch axis besides "
-            f"channel_axis {channel} and axes {reduced}, got {batch}"
-        )
     perm = batch + [channel] + reduced
     kw = {"num_groups": int(attrs.num_groups), "eps": float(attrs.epsilon)}
-    if perm == list(range(ndim)):
-        xp, dyp, unperm = x, output_grad, lambda e: e
-    else:
+    xp, dyp, back = x, output_grad, _identity
+    if perm != list(range(ndim)):
         inverse = [perm.index(i) for i in range(ndim)]
         xp, dyp = _op.permute_dims(x, perm), _op.permute_dims(output_grad, perm)
-        unperm = lambda e: _op.permute_dims(e, inverse)  # noqa: E731
-    dx = group_norm_backward_input(xp, gamma, beta, dyp, **kw)
-    return [unperm(dx), group_norm_backward_gamma(xp, dyp, **kw), group_norm_backward_beta(xp, dyp, **kw)]
+        back = lambda e: _op.permute_dims(e, inverse)  # noqa: E731
+    if len(batch) != 1:
+        permuted = [shape[k] for k in perm]
+        merged = [reduce(mul, permuted[:len(batch)], 1)] + permuted[len(batch):]
+        xp, dyp = _op.reshape(xp, merged), _op.reshape(dyp, merged)
+        unmerged = back
+        back = lambda e: unmerged(_op.reshape(e, permuted))  # noqa: E731
+    g = gamma if attrs.scale else _op.ones_like(gamma)
+    dx = back(group_norm_backward_input(xp, g, beta, dyp, **kw))
+    dgamma = group_norm_backward_gamma(xp, dyp, **kw) if attrs.scale else _op.zeros_like(gamma)
+    dbeta = group_norm_backward_beta(xp, dyp, **kw) if attrs.center else _op.zeros_like(beta)
+    return [dx, dgamma, dbeta]
 
 
 def _register_gradients():

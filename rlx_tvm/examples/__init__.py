@@ -1,0 +1,1 @@
+"""Example models trained through rlx_tvm."""
