@@ -18,6 +18,7 @@ import tvm
 from tvm import relax
 
 from .passes import DecomposeBackwardOps
+from .ops.registry import all_ops
 
 __all__ = ["grad", "hvp", "nth_order_grad", "AutodiffError"]
 
@@ -127,7 +128,7 @@ def hvp(mod: tvm.IRModule, func: str = "main", wrt=None) -> tvm.IRModule:
     one direction per ``wrt`` parameter (same shapes) and ``H v`` is the Hessian-vector product
     ``d/dp <grad f(p), v>``."""
     base = grad(mod, func, wrt)
-    base = DecomposeBackwardOps(include_forward=True)(base)
+    base = _decompose_between_levels(base)
     adj_name = f"{func}_adjoint"
     f = base[func]
     require = _resolve_wrt(f, wrt, func)
@@ -175,6 +176,14 @@ def hvp(mod: tvm.IRModule, func: str = "main", wrt=None) -> tvm.IRModule:
     return _finish(work, helpers=[inner, f"{inner}_adjoint"])
 
 
+def _decompose_between_levels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Decompose backward ops (and forward ops such as a scan, whose body must be inlined to be
+    differentiated again), keeping forward ops whose gradient rule is a surrogate (an STE): their
+    decomposition's derivative would silently replace the estimator."""
+    keep = tuple(o.name for o in all_ops() if o.extra.get("surrogate_gradient"))
+    return DecomposeBackwardOps(preserve=keep, include_forward=True)(mod)
+
+
 def _add_function(mod: tvm.IRModule, name: str, func: relax.Function) -> tvm.IRModule:
     """Add ``func`` under ``name`` with a typed GlobalVar, so later builders can call it."""
     bb = relax.BlockBuilder(mod)
@@ -217,7 +226,7 @@ def nth_order_grad(mod: tvm.IRModule, func: str = "main", wrt=None, order: int =
     n_prev = 0
     levels: list[str] = []
     for k in range(1, order + 1):
-        work = DecomposeBackwardOps(include_forward=True)(work)
+        work = _decompose_between_levels(work)
         work = prepare(work, level)
         lp = list(work[level].params)
         try:

@@ -300,3 +300,44 @@ def check_second_order(cases: Sequence[GradCase], eps: float = 1e-5, rtol: float
             if not np.allclose(h, fd, rtol=rtol, atol=atol * scale):
                 failures.append(f"{case.label} (H v)[{n}]: max abs err {np.abs(h - fd).max():.3g} (|fd| max {np.abs(fd).max():.3g})")
     assert not failures, f"{len(failures)} Hessian-vector products differ from finite differences:\n" + "\n".join(failures)
+
+
+def check_nth_order(cases: Sequence[GradCase], order: int = 3, eps: float = 1e-5, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """float64 ``autodiff.nth_order_grad`` for the first ``wrt`` input of each case: every level
+    ``g_{k+1} = d sum(g_k) / dp`` is checked as a directional derivative, ``<g_{k+1}, d>`` vs the
+    central finite difference of ``sum(g_k)`` along a random direction ``d``."""
+    from . import autodiff
+
+    bb = relax.BlockBuilder()
+    for i, case in enumerate(cases):
+        params = [
+            relax.Var(k, relax.TensorType(list(v.shape), "float64" if np.issubdtype(v.dtype, np.floating) else str(v.dtype)))
+            for k, v in case.inputs.items()
+        ]
+        with bb.function(f"f{i}", params):
+            with bb.dataflow():
+                out = bb.emit_output(case.build(*params))
+            bb.emit_func_output(out)
+    mod = bb.get()
+    for i, case in enumerate(cases):
+        mod = autodiff.nth_order_grad(mod, f"f{i}", [case.wrt_names()[0]], order)
+    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    rng = np.random.default_rng(321)
+    failures = []
+    for i, case in enumerate(cases):
+        ins = {k: (v.astype("float64") if np.issubdtype(v.dtype, np.floating) else v) for k, v in case.inputs.items()}
+        name = case.wrt_names()[0]
+        d = rng.standard_normal(ins[name].shape)
+
+        def levels(t):
+            moved = {**ins, name: ins[name] + t * d}
+            out = vm[f"f{i}_grad{order}"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in moved.values()])
+            return [g.numpy() for g in out]
+
+        here, plus, minus = levels(0.0), levels(eps), levels(-eps)
+        for k in range(order - 1):
+            fd = (plus[k].sum() - minus[k].sum()) / (2 * eps)
+            got = float(np.sum(here[k + 1] * d))
+            if not np.isclose(got, fd, rtol=rtol, atol=atol * max(1.0, abs(fd))):
+                failures.append(f"{case.label} order {k + 2} d/d{name}: {got:.10g} vs finite differences {fd:.10g}")
+    assert not failures, f"{len(failures)} higher-order derivatives differ from finite differences:\n" + "\n".join(failures)

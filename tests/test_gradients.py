@@ -13,7 +13,7 @@ import pytest
 from tvm import relax
 
 from rlx_tvm.ops.activation import ACTIVATIONS, RELAX_ACTIVATIONS
-from rlx_tvm.testing import GradCase, check_gradients, check_second_order
+from rlx_tvm.testing import GradCase, check_gradients, check_nth_order, check_second_order
 
 from .helpers import away_from
 
@@ -72,3 +72,9 @@ def test_every_relax_activation_rule_is_checked():
 
 def test_hessian_vector_products_match_finite_differences():
     check_second_order(GRAD_CASES)
+
+
+def test_nth_order_gradients_match_finite_differences():
+    # Orders 2 and 3 through every family (each case differentiated three times in a row, with the
+    # backward ops decomposed between levels).
+    check_nth_order(GRAD_CASES, order=3)

@@ -16,7 +16,7 @@ from tvm import relax
 from rlx_tvm import autodiff, ops
 from rlx_tvm.ops import get_op
 from rlx_tvm.passes import count_rlx_calls
-from rlx_tvm.testing import Case, GradCase, check_gradients, compare, run_cases
+from rlx_tvm.testing import Case, GradCase, check_gradients, check_nth_order, compare, finite_difference_vjp, run_cases
 
 from .helpers import MATRIX, assert_op_error, tensor_var
 
@@ -373,3 +373,31 @@ def test_bad_input_shapes_and_dtypes():
 
 def test_bad_input_unknown_attribute():
     assert_op_error(lambda: get_op("fake_quantize")(tensor_var("x", (3,)), bits=4, scale=0.1), "fake_quantize", "scale", "unknown")
+
+
+def test_second_order_through_the_tanh_estimator():
+    """Second order through fake_quantize with the tanh STE. The estimated gradient g(x) is not the
+    gradient of any function (its Jacobian J is not symmetric: at a slice's max|x| g is constant in
+    that element, yet the others depend on it through the scale), so ``hvp``'s d<g, v>/dx = J^T v is
+    checked against finite differences of x -> <g(x), v> with the SPEC's g, element by element,
+    not against J v. ``nth_order_grad`` (d sum(g_k)/dx at each level) has no such subtlety."""
+    op = relax.op
+    x, w, v = RNG.standard_normal((3, 5)), RNG.standard_normal((3, 5)), RNG.standard_normal((3, 5))
+
+    def loss(x, w):
+        y = ops.fake_quantize(x, bits=4, axis=1, ste="tanh")
+        return op.sum(op.multiply(y, w))
+
+    bb = relax.BlockBuilder()
+    xv, wv = tensor_var("x", x.shape, "float64"), tensor_var("w", w.shape, "float64")
+    with bb.function("main", [xv, wv]):
+        with bb.dataflow():
+            out = bb.emit_output(loss(xv, wv))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm.compile(autodiff.hvp(bb.get(), "main", wrt=["x"]), "llvm"), tvm.cpu())
+    _, (g,), (hv,) = vm["main_hvp"](*[tvm.runtime.tensor(a) for a in (x, w, v)])
+    np.testing.assert_allclose(g.numpy(), spec_backward(x, w, 4, 1, "tanh"), rtol=1e-12, atol=1e-12)
+    fd = finite_difference_vjp(lambda x: spec_backward(x, w, 4, 1, "tanh"), {"x": x}, "x", v)
+    np.testing.assert_allclose(hv.numpy(), fd, rtol=1e-6, atol=1e-8)
+
+    check_nth_order([GradCase("fake_quantize(ste=tanh)", {"x": x, "w": w}, loss, wrt=["x"])], order=3)

@@ -11,6 +11,7 @@ from rlx_tvm.testing import (
     GradCase,
     check_finite_differences,
     check_gradients,
+    check_nth_order,
     check_second_order,
     compare,
     run_cases,
@@ -234,7 +235,9 @@ def test_second_order_through_rope():
         y = rope(x, cos, sin, head_dim=6, n_rot=4, style="gptj")
         return op.sum(op.exp(op.multiply(y, relax.const(0.3, "float64"))))
 
-    check_second_order([GradCase("rope", {"x": x, "cos": cos, "sin": sin}, loss)])
+    case = GradCase("rope", {"x": x, "cos": cos, "sin": sin}, loss)
+    check_second_order([case])
+    check_nth_order([case], order=3)
 
 
 def test_half_precision_computes_in_float32():

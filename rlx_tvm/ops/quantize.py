@@ -140,6 +140,9 @@ fake_quantize = define_op(
     doc="clip(round(x / s), -q, q) * s with a symmetric per-tensor or per-axis scale (SPEC §2). "
     "`ste` only chooses the estimator its gradient uses (fake_quantize_backward).",
 )
+# Its gradient rule (the STE) is not the derivative of its decomposition (round's derivative), so
+# higher-order autodiff keeps the op between levels instead of decomposing it.
+fake_quantize.extra["surrogate_gradient"] = True
 
 
 @fake_quantize.infer
