@@ -218,10 +218,8 @@ class GradCase:
         return [k for k, v in self.inputs.items() if np.issubdtype(v.dtype, np.floating)]
 
 
-def build_grad_module(cases: Sequence[GradCase], dtype: str) -> tvm.IRModule:
-    """``f<i>(inputs...) -> scalar`` for each case, each differentiated with rlx autodiff."""
-    from . import autodiff
-
+def scalar_functions(cases: Sequence[GradCase], dtype: str) -> tvm.IRModule:
+    """``f<i>(inputs...) -> scalar`` for each case, float inputs in ``dtype``."""
     bb = relax.BlockBuilder()
     for i, case in enumerate(cases):
         params = [
@@ -232,7 +230,14 @@ def build_grad_module(cases: Sequence[GradCase], dtype: str) -> tvm.IRModule:
             with bb.dataflow():
                 out = bb.emit_output(case.build(*params))
             bb.emit_func_output(out)
-    mod = bb.get()
+    return bb.get()
+
+
+def build_grad_module(cases: Sequence[GradCase], dtype: str) -> tvm.IRModule:
+    """``scalar_functions``, each differentiated with rlx autodiff."""
+    from . import autodiff
+
+    mod = scalar_functions(cases, dtype)
     for i, case in enumerate(cases):
         mod = autodiff.grad(mod, f"f{i}", wrt=case.wrt_names())
     return mod
@@ -308,17 +313,7 @@ def check_nth_order(cases: Sequence[GradCase], order: int = 3, eps: float = 1e-5
     central finite difference of ``sum(g_k)`` along a random direction ``d``."""
     from . import autodiff
 
-    bb = relax.BlockBuilder()
-    for i, case in enumerate(cases):
-        params = [
-            relax.Var(k, relax.TensorType(list(v.shape), "float64" if np.issubdtype(v.dtype, np.floating) else str(v.dtype)))
-            for k, v in case.inputs.items()
-        ]
-        with bb.function(f"f{i}", params):
-            with bb.dataflow():
-                out = bb.emit_output(case.build(*params))
-            bb.emit_func_output(out)
-    mod = bb.get()
+    mod = scalar_functions(cases, "float64")
     for i, case in enumerate(cases):
         mod = autodiff.nth_order_grad(mod, f"f{i}", [case.wrt_names()[0]], order)
     vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
