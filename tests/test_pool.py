@@ -280,14 +280,19 @@ GRAD_CASES = [
 ]
 
 
-def test_max_pool2d_gradient_rule_emits_the_rlx_op():
+def _pool_loss_module() -> tvm.IRModule:
+    """``f(x, c) = sum(max_pool2d(x) * c)`` in float64, the loss the rule tests differentiate."""
     bb = relax.BlockBuilder()
     params = [tensor_var("x", _x.shape, "float64"), tensor_var("c", (2, 2, 4, 4), "float64")]
     with bb.function("f", params):
         with bb.dataflow():
             out = bb.emit_output(_pool_loss(False, **_POOL)(*params))
         bb.emit_func_output(out)
-    mod = autodiff.grad(bb.get(), "f", wrt=["x"])
+    return bb.get()
+
+
+def test_max_pool2d_gradient_rule_emits_the_rlx_op():
+    mod = autodiff.grad(_pool_loss_module(), "f", wrt=["x"])
     assert count_rlx_calls(mod) == {"max_pool2d_backward": 1}
 
 
@@ -295,13 +300,7 @@ def test_second_derivative_is_exactly_zero():
     """H v for a loss linear in max_pool2d(x): the decomposition's x-dependence is only through
     comparisons, so the Hessian is exactly 0 (not merely small), and the gradient is the definition's."""
     ties = np.round(RNG.standard_normal(_x.shape))  # ties too: the first max wins in both orders
-    bb = relax.BlockBuilder()
-    params = [tensor_var("x", _x.shape, "float64"), tensor_var("c", (2, 2, 4, 4), "float64")]
-    with bb.function("f", params):
-        with bb.dataflow():
-            out = bb.emit_output(_pool_loss(False, **_POOL)(*params))
-        bb.emit_func_output(out)
-    mod = autodiff.hvp(bb.get(), "f", wrt=["x"])
+    mod = autodiff.hvp(_pool_loss_module(), "f", wrt=["x"])
     vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
     c = RNG.standard_normal((2, 2, 4, 4))
     attrs = dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)
