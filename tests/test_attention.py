@@ -17,6 +17,8 @@ from rlx_tvm.testing import (
     compare,
     check_finite_differences,
     check_gradients,
+    check_nth_order,
+    check_second_order,
     finite_difference_vjp,
 )
 
@@ -424,3 +426,11 @@ def test_bad_input_bias_not_broadcastable():
                         "broadcastable to [B, H, Sq, Sk] = [2, 4, 3, 5]")
     for shape in [(2, 4, 3, 5), (1, 4, 1, 5), (3, 5), (5,)]:  # these broadcast
         emit_call(attention_op(q, k, v, tensor_var("bias", shape)))
+
+
+def test_higher_orders_through_the_attention_gradient_rules():
+    """Hessian-vector products and orders 2-3 through both rule cases (masks, window, GQA, softcap):
+    attention_backward decomposes into primitives that differentiate again."""
+    cases = _grad_cases()
+    check_second_order(cases)
+    check_nth_order(cases, order=3)
