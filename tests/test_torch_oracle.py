@@ -73,6 +73,7 @@ def _cases():
 
     x = _randn(3, 7)
     for label, rfn, tfn in [
+        ("relu", op.nn.relu, F.relu),
         ("gelu", op.nn.gelu, F.gelu),
         ("gelu_tanh", op.nn.gelu_tanh, lambda t: F.gelu(t, approximate="tanh")),
         ("silu", op.nn.silu, F.silu),
@@ -124,6 +125,13 @@ def _cases():
             _weighted(lambda x, c, s, st=style: ops.rope(x, c, s, head_dim=8, n_rot=6, style=st),
                       lambda x, c, s, st=style: _rope_torch(x, c, s, 6, st)), ["x"])
 
+    # torch's fake-quant gradient is the clipped straight-through estimator; with the symmetric
+    # max-abs scale of SPEC every element is in range, so both pass dy through. (Per-channel is not compared:
+    # torch's per-channel fake-quant rejects float64.)
+    add("fake_quantize bits=4 clipped per-tensor", {"x": _randn(3, 5), "w": _randn(3, 5)},
+        _weighted(lambda x: ops.fake_quantize(x, bits=4, ste="clipped"),
+                  lambda x: torch.fake_quantize_per_tensor_affine(x, float(x.detach().abs().max()) / 7, 0, -7, 7)),
+        ["x"])
     add("cumsum exclusive axis 1", {"x": _randn(3, 9), "w": _randn(3, 9)},
         _weighted(lambda x: op.cumsum(x, axis=1, exclusive=True), lambda x: torch.cumsum(x, 1) - x), ["x"])
     idx = np.array([4, 0, 4, 2, 4, 6], dtype="int64")  # duplicates accumulate
@@ -170,5 +178,5 @@ def test_autodiff_matches_torch_autograd(dtype):
 def test_cases_cover_every_differentiable_forward_family():
     labels = " ".join(c.label for c in CASES)
     for family in ("gelu", "silu", "layer_norm", "rms_norm", "group_norm", "conv2d", "max_pool2d", "R.nn.attention",
-                   "rlx.attention", "rope", "cumsum", "take", "softmax_cross_entropy"):
+                   "rlx.attention", "rope", "cumsum", "take", "softmax_cross_entropy", "relu", "fake_quantize"):
         assert family in labels, family
