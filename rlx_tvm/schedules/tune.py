@@ -1,0 +1,126 @@
+"""MetaSchedule tuning of the kernels of a Relax module, made to work on the TVM 0.27 wheel.
+
+What stock MetaSchedule trips over here (see TVM_NOTES), and what this module does instead:
+
+* the default builder imports ``tvm.s_tir.tensor_intrin`` in every worker (about a minute, longer than
+  the 30 s build timeout): :func:`build_candidate` builds fp32 CPU candidates without it;
+* ``MultiLevelTiling`` with ``reuse_write`` fails on fused kernels with several reductions (norm
+  backward): its llvm instance is replaced by one with ``reuse_write=None``;
+* one task's design-space error aborts a whole ``tune_tasks``: each task is tuned on its own, and a
+  failure is reported and skipped;
+* XGBoost scores are random until ``num_warmup_samples`` measurements exist (default 100): lowered
+  to 16 so that small budgets search with the model.
+
+Records go to MetaSchedule's own ``JSONDatabase`` in ``work_dir``; running again with the same
+``work_dir`` resumes: tasks that already hold ``trials`` records are skipped, the others continue.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+__all__ = ["TaskResult", "build_candidate", "cpu_target", "tune"]
+
+
+def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
+    """The local CPU as MetaSchedule wants it: explicit ``mcpu`` (``native`` is rejected) and ``num-cores``."""
+    mcpu = str(tvm.target.Target.from_device("cpu").attrs["mcpu"])
+    cores = num_cores or os.cpu_count() or 1
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": cores})
+
+
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
+    """MetaSchedule's default build minus the ``tensor_intrin`` import (fp32 LLVM tuning uses none)."""
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    return tvm.tirx.build(mod, target=target)
+
+
+def _space() -> ms.space_generator.PostOrderApply:
+    rules = []
+    for rule in ms.ScheduleRule.create("llvm"):
+        if isinstance(rule, ms.schedule_rule.MultiLevelTiling):
+            rule = ms.schedule_rule.MultiLevelTiling(structure="SSRSRS", max_innermost_factor=64, reuse_write=None)
+        rules.append(rule)
+    return ms.space_generator.PostOrderApply(
+        sch_rules=rules, postprocs=ms.Postproc.create("llvm"), mutator_probs=ms.Mutator.create("llvm")
+    )
+
+
+@dataclass
+class TaskResult:
+    name: str
+    trials: int  # records in the database for this task after tuning
+    best_us: float | None  # best measured latency, microseconds
+    status: str  # "tuned", "resumed" (already complete), or "failed: <reason>"
+
+
+def _records(db: ms.database.Database, mod: tvm.IRModule, k: int = 1 << 30):
+    if not db.has_workload(mod):
+        return []
+    return [r for r in db.get_top_k(db.commit_workload(mod), k) if r.run_secs]
+
+
+def _best_us(records) -> float | None:
+    secs = [sum(float(s) for s in r.run_secs) / len(r.run_secs) for r in records]
+    secs = [s for s in secs if s < 1e9]  # failed runs are stored as 1e10
+    return min(secs) * 1e6 if secs else None
+
+
+def tune(
+    mod: tvm.IRModule,
+    target: tvm.target.Target | None = None,
+    trials: int = 64,
+    work_dir: str = "tuning_work",
+    trials_per_iter: int = 32,
+    seed: int = 0,
+    verbose: bool = True,
+) -> list[TaskResult]:
+    """Tune every kernel of ``mod`` (a Relax module, rlx ops allowed) with ``trials`` measured
+    candidates each, recording into ``work_dir``'s JSON database. Prints one line per task."""
+    from ..build import lower
+
+    target = target or cpu_target()
+    os.makedirs(work_dir, exist_ok=True)
+    tasks = ms.relax_integration.extract_tasks(lower(mod, target, schedule=False), target)
+    db = ms.database.JSONDatabase(work_dir=work_dir)
+    builder = ms.builder.LocalBuilder(f_build=build_candidate, max_workers=1, timeout_sec=60)
+    runner = ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=50))
+    results = []
+    for i, task in enumerate(tasks):
+        task_mod = task.dispatched[0]
+        done = _records(db, task_mod)
+        label = f"[{i + 1}/{len(tasks)}] {task.task_name}"
+        if len(done) >= trials:
+            results.append(TaskResult(task.task_name, len(done), _best_us(done), "resumed"))
+            if verbose:
+                print(f"{label}: {len(done)} records already, best {_fmt(_best_us(done))}", flush=True)
+            continue
+        start = time.time()
+        try:
+            ms.tune_tir(
+                task_mod, target, work_dir, max_trials_global=trials - len(done),
+                num_trials_per_iter=min(trials_per_iter, trials - len(done)), builder=builder, runner=runner,
+                database=db, cost_model=ms.cost_model.XGBModel(num_warmup_samples=16), space=_space(),
+                strategy=ms.search_strategy.EvolutionarySearch(population_size=128, genetic_num_iters=2),
+                num_tuning_cores=1, seed=seed,
+            )
+            status = "tuned"
+        except Exception as err:  # noqa: BLE001 - one bad task must not end the run
+            status = f"failed: {type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
+        done = _records(db, task_mod)
+        results.append(TaskResult(task.task_name, len(done), _best_us(done), status))
+        if verbose:
+            print(f"{label}: {status}, {len(done)} records, best {_fmt(_best_us(done))} "
+                  f"({time.time() - start:.0f} s)", flush=True)
+    return results
+
+
+def _fmt(us: float | None) -> str:
+    return "-" if us is None else f"{us:.1f} us"
