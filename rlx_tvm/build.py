@@ -58,10 +58,9 @@ def lower(mod: tvm.IRModule, target="llvm", schedule: bool = True, tuning_log: s
             relax.transform.DeadCodeElimination(),
         ]
     )(mod)
-    kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values())
-    tuned: set[str] = set()
     if tuning_log is not None:
         db = load_tuning_log(tuning_log)
+        kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values())
         before = _scheduled(mod)
         with target, db:
             mod = relax.transform.MetaScheduleApplyDatabase()(mod)

@@ -28,6 +28,25 @@ TOLERANCES = {
 }
 
 
+def cast_floats(inputs: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Float arrays cast to ``dtype``; integer arrays (indices, labels) keep theirs."""
+    return {k: (v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v) for k, v in inputs.items()}
+
+
+def as_tensors(arrays) -> list:
+    return [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]
+
+
+def gradient_mismatch(got, ref, rtol: float, atol: float) -> str | None:
+    """None when ``got`` matches ``ref`` (``atol`` scaled by ``max(1, max|ref|)``), else the error."""
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if got.shape != ref.shape:
+        return f"shape {got.shape} vs {ref.shape}"
+    if np.allclose(got, ref, rtol=rtol, atol=atol * max(1.0, float(np.abs(ref).max()))):
+        return None
+    return f"max abs err {np.abs(got - ref).max():.3g}"
+
+
 @dataclass
 class Case:
     """One call of one op with concrete inputs.
@@ -64,7 +83,7 @@ class Case:
         return np.asarray(opdef.reference_fn(**ins, **attrs), dtype=np.float64)
 
     def cast_inputs(self, dtype: str) -> dict[str, np.ndarray]:
-        return {k: (v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v) for k, v in self.inputs.items()}
+        return cast_floats(self.inputs, dtype)
 
 
 def _symbolic_shape(shape, spec, n):
@@ -112,7 +131,7 @@ def compile_and_run(mod: tvm.IRModule, cases: Sequence[Case], dtype: str, target
     vm = relax.VirtualMachine(ex, tvm.cpu())
     outs = []
     for i, case in enumerate(cases):
-        args = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in case.cast_inputs(dtype).values()]
+        args = as_tensors(case.cast_inputs(dtype).values())
         outs.append(vm[f"case_{i}"](*args).numpy())
     return outs
 
@@ -217,6 +236,9 @@ class GradCase:
             return list(self.wrt)
         return [k for k, v in self.inputs.items() if np.issubdtype(v.dtype, np.floating)]
 
+    def cast_inputs(self, dtype: str) -> dict[str, np.ndarray]:
+        return cast_floats(self.inputs, dtype)
+
 
 def scalar_functions(cases: Sequence[GradCase], dtype: str) -> tvm.IRModule:
     """``f<i>(inputs...) -> scalar`` for each case, float inputs in ``dtype``."""
@@ -257,20 +279,18 @@ def check_gradients(cases: Sequence[GradCase], dtype: str, eps: float = 1e-6) ->
     rtol, atol = (2e-3, 2e-4) if dtype == "float32" else (1e-5, 1e-7)
     failures = []
     for i, case in enumerate(cases):
-        ins = {k: (v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v) for k, v in case.inputs.items()}
-        loss, grads = vm[f"f{i}_adjoint"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in ins.values()])
-        ins64 = {k: (v.astype("float64") if np.issubdtype(v.dtype, np.floating) else v) for k, v in case.inputs.items()}
+        ins = case.cast_inputs(dtype)
+        loss, grads = vm[f"f{i}_adjoint"](*as_tensors(ins.values()))
+        ins64 = case.cast_inputs("float64")
 
         def f(**kw):
-            return float(vm64[f"f{i}"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in {**ins64, **kw}.values()]).numpy())
+            return float(vm64[f"f{i}"](*as_tensors({**ins64, **kw}.values())).numpy())
 
         for name, g in zip(case.wrt_names(), grads):
             fd = finite_difference_vjp(lambda **kw: np.asarray(f(**kw)), {name: ins64[name]}, name, np.asarray(1.0), eps)
-            g = g.numpy().astype(np.float64)
-            scale = max(1.0, float(np.abs(fd).max()))
-            if g.shape != fd.shape or not np.allclose(g, fd, rtol=rtol, atol=atol * scale):
-                err = np.abs(g - fd).max() if g.shape == fd.shape else f"shape {g.shape} vs {fd.shape}"
-                failures.append(f"{case.label} d/d{name}: max abs err {err} (|fd| max {np.abs(fd).max():.3g})")
+            problem = gradient_mismatch(g.numpy(), fd, rtol, atol)
+            if problem:
+                failures.append(f"{case.label} d/d{name}: {problem} (|fd| max {np.abs(fd).max():.3g})")
     assert not failures, f"{len(failures)} gradients differ from finite differences ({dtype}):\n" + "\n".join(failures)
 
 
@@ -286,24 +306,23 @@ def check_second_order(cases: Sequence[GradCase], eps: float = 1e-5, rtol: float
     rng = np.random.default_rng(123)
     failures = []
     for i, case in enumerate(cases):
-        ins = {k: (v.astype("float64") if np.issubdtype(v.dtype, np.floating) else v) for k, v in case.inputs.items()}
+        ins = case.cast_inputs("float64")
         names = case.wrt_names()
         dirs = [rng.standard_normal(ins[n].shape) for n in names]
 
         def grads_at(t):
             moved = {**ins, **{n: ins[n] + t * d for n, d in zip(names, dirs)}}
-            _, g = vm[f"f{i}_adjoint"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in moved.values()])
+            _, g = vm[f"f{i}_adjoint"](*as_tensors(moved.values()))
             return [x.numpy() for x in g]
 
-        args = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in list(ins.values()) + dirs]
+        args = as_tensors(list(ins.values()) + dirs)
         _, _, hv = vm[f"f{i}_hvp"](*args)
         plus, minus = grads_at(eps), grads_at(-eps)
         for n, h, gp, gm in zip(names, hv, plus, minus):
             fd = (gp - gm) / (2 * eps)
-            h = h.numpy()
-            scale = max(1.0, float(np.abs(fd).max()))
-            if not np.allclose(h, fd, rtol=rtol, atol=atol * scale):
-                failures.append(f"{case.label} (H v)[{n}]: max abs err {np.abs(h - fd).max():.3g} (|fd| max {np.abs(fd).max():.3g})")
+            problem = gradient_mismatch(h.numpy(), fd, rtol, atol)
+            if problem:
+                failures.append(f"{case.label} (H v)[{n}]: {problem} (|fd| max {np.abs(fd).max():.3g})")
     assert not failures, f"{len(failures)} Hessian-vector products differ from finite differences:\n" + "\n".join(failures)
 
 
@@ -320,13 +339,13 @@ def check_nth_order(cases: Sequence[GradCase], order: int = 3, eps: float = 1e-5
     rng = np.random.default_rng(321)
     failures = []
     for i, case in enumerate(cases):
-        ins = {k: (v.astype("float64") if np.issubdtype(v.dtype, np.floating) else v) for k, v in case.inputs.items()}
+        ins = case.cast_inputs("float64")
         name = case.wrt_names()[0]
         d = rng.standard_normal(ins[name].shape)
 
         def levels(t):
             moved = {**ins, name: ins[name] + t * d}
-            out = vm[f"f{i}_grad{order}"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in moved.values()])
+            out = vm[f"f{i}_grad{order}"](*as_tensors(moved.values()))
             return [g.numpy() for g in out]
 
         here, plus, minus = levels(0.0), levels(eps), levels(-eps)

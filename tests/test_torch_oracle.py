@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from rlx_tvm import ops
-from rlx_tvm.testing import GradCase, build_grad_module
+from rlx_tvm.testing import GradCase, as_tensors, build_grad_module, gradient_mismatch
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -164,14 +164,11 @@ def test_autodiff_matches_torch_autograd(dtype):
     rtol, atol = (1e-4, 1e-5) if dtype == "float32" else (1e-10, 1e-12)
     failures = []
     for i, case in enumerate(CASES):
-        ins = [a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a for a in case.inputs.values()]
-        _, grads = vm[f"f{i}_adjoint"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in ins])
+        _, grads = vm[f"f{i}_adjoint"](*as_tensors(case.cast_inputs(dtype).values()))
         for name, g, ref in zip(case.wrt, grads, _torch_grads(case, dtype)):
-            g, ref = g.numpy().astype(np.float64), ref.numpy().astype(np.float64)
-            scale = max(1.0, float(np.abs(ref).max()))
-            if g.shape != ref.shape or not np.allclose(g, ref, rtol=rtol, atol=atol * scale):
-                err = np.abs(g - ref).max() if g.shape == ref.shape else f"shape {g.shape} vs {ref.shape}"
-                failures.append(f"{case.label} d/d{name}: max abs err {err}")
+            problem = gradient_mismatch(g.numpy(), ref.numpy(), rtol, atol)
+            if problem:
+                failures.append(f"{case.label} d/d{name}: {problem}")
     assert not failures, f"{len(failures)} gradients differ from torch.autograd ({dtype}):\n" + "\n".join(failures)
 
 

@@ -98,9 +98,10 @@ def tune(
         done = _records(db, task_mod)
         label = f"[{i + 1}/{len(tasks)}] {task.task_name}"
         if len(done) >= trials:
-            results.append(TaskResult(task.task_name, len(done), _best_us(done), "resumed"))
+            best = _best_us(done)
+            results.append(TaskResult(task.task_name, len(done), best, "resumed"))
             if verbose:
-                print(f"{label}: {len(done)} records already, best {_fmt(_best_us(done))}", flush=True)
+                print(f"{label}: {len(done)} records already, best {_fmt(best)}", flush=True)
             continue
         start = time.time()
         try:
@@ -115,9 +116,10 @@ def tune(
         except Exception as err:  # noqa: BLE001 - one bad task must not end the run
             status = f"failed: {type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
         done = _records(db, task_mod)
-        results.append(TaskResult(task.task_name, len(done), _best_us(done), status))
+        best = _best_us(done)
+        results.append(TaskResult(task.task_name, len(done), best, status))
         if verbose:
-            print(f"{label}: {status}, {len(done)} records, best {_fmt(_best_us(done))} "
+            print(f"{label}: {status}, {len(done)} records, best {_fmt(best)} "
                   f"({time.time() - start:.0f} s)", flush=True)
     return results
 
