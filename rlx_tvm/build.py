@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 import tvm
 from tvm import relax
@@ -11,7 +12,12 @@ from tvm.s_tir import dlight as dl
 
 from .schedules import default_cpu_rules
 
-__all__ = ["TuningLogError", "compile", "lower"]
+__all__ = ["Lowering", "TuningLogError", "compile", "load_tuning_log", "lower", "lower_with_report", "target_key",
+           "tuning_log_for"]
+
+# Committed tuning logs, one MetaSchedule JSON database per target key (see :func:`target_key`).
+TUNING_LOGS = os.environ.get("RLX_TVM_TUNING_LOGS",
+                             os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tuning_logs"))
 
 
 class TuningLogError(ValueError):
@@ -20,6 +26,33 @@ class TuningLogError(ValueError):
 
 def _as_target(target) -> tvm.target.Target:
     return target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+
+
+def target_key(target) -> str:
+    """The name of a target's tuning-log directory: kind, CPU or GPU arch, and core count, e.g.
+    ``llvm-znver4-2c`` or ``cuda-sm_90``. Schedules tuned for one key are not applied to another."""
+    target = _as_target(target)
+    attrs = target.attrs
+    parts = [target.kind.name]
+    for k in ("mcpu", "arch"):
+        if k in attrs and str(attrs[k]):
+            parts.append(str(attrs[k]))
+    if "num-cores" in attrs and int(attrs["num-cores"]) > 0:
+        parts.append(f"{int(attrs['num-cores'])}c")
+    return "-".join(parts)
+
+
+def tuning_log_for(target) -> str | None:
+    """The committed tuning log for ``target`` (``tuning_logs/<target_key>``), or None."""
+    path = os.path.join(TUNING_LOGS, target_key(target))
+    return path if os.path.isdir(path) else None
+
+
+def _log_target_mismatch(db, target) -> str | None:
+    records = db.get_all_tuning_records()
+    tuned_for = {target_key(r.target) for r in records if r.target is not None}
+    want = target_key(target)
+    return None if not tuned_for or want in tuned_for else ", ".join(sorted(tuned_for))
 
 
 def load_tuning_log(path: str):
@@ -42,11 +75,29 @@ def _scheduled(mod: tvm.IRModule) -> set[str]:
             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and "tirx.is_scheduled" in f.attrs}
 
 
-def lower(mod: tvm.IRModule, target="llvm", schedule: bool = True, tuning_log: str | None = None,
+@dataclass
+class Lowering:
+    """What :func:`lower_with_report` did: the kernels, which got tuned schedules, and from where."""
+
+    kernels: int
+    tuned: list[str]
+    tuning_log: str | None
+    note: str | None  # the line printed when verbose
+
+
+def lower(mod: tvm.IRModule, target="llvm", schedule: bool = True, tuning_log: str | None = "auto",
           verbose: bool = True) -> tvm.IRModule:
     """Legalize (fused rlx kernels included) and fuse; then apply the tuned schedules of
-    ``tuning_log`` (a MetaSchedule JSON database) to the kernels it has records for, and default
-    schedules to every other kernel. Returns the Relax module, ready for ``tvm.compile``."""
+    ``tuning_log`` (a MetaSchedule JSON database; ``"auto"``: the committed log of this target, if
+    any; None: none) to the kernels it has records for, and default schedules to every other
+    kernel. A log tuned for another target is not applied (and says so). Returns the Relax module,
+    ready for ``tvm.compile``."""
+    return lower_with_report(mod, target, schedule, tuning_log, verbose)[0]
+
+
+def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, tuning_log: str | None = "auto",
+                      verbose: bool = True) -> tuple[tvm.IRModule, Lowering]:
+    """:func:`lower`, also returning a :class:`Lowering` report."""
     target = _as_target(target)
     mod = tvm.transform.Sequential(
         [
@@ -58,25 +109,36 @@ def lower(mod: tvm.IRModule, target="llvm", schedule: bool = True, tuning_log: s
             relax.transform.DeadCodeElimination(),
         ]
     )(mod)
+    kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values())
+    tuned: list[str] = []
+    note = None
+    if tuning_log == "auto":
+        tuning_log = tuning_log_for(target) if schedule else None
+        if tuning_log is None and schedule:
+            note = f"no tuning log for target {target_key(target)} in {TUNING_LOGS}: {kernels} kernels with default schedules"
     if tuning_log is not None:
         db = load_tuning_log(tuning_log)
-        kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values())
-        before = _scheduled(mod)
-        with target, db:
-            mod = relax.transform.MetaScheduleApplyDatabase()(mod)
-        tuned = _scheduled(mod) - before
+        other = _log_target_mismatch(db, target)
+        if other is not None:
+            note = (f"tuning log {tuning_log} was tuned for {other}, not {target_key(target)}: "
+                    f"not applied, {kernels} kernels with default schedules")
+        else:
+            before = _scheduled(mod)
+            with target, db:
+                mod = relax.transform.MetaScheduleApplyDatabase()(mod)
+            tuned = sorted(_scheduled(mod) - before)
+            note = (f"{len(tuned)} of {kernels} kernels tuned from {tuning_log}"
+                    + ("" if len(tuned) == kernels else f", {kernels - len(tuned)} with default schedules "
+                       "(no matching record: other shape or dtype)"))
     if schedule and target.kind.name == "llvm":
         with target:
             mod = dl.ApplyDefaultSchedule(*default_cpu_rules())(mod)
-    if verbose and tuning_log is not None:
-        print(f"rlx_tvm.compile: {len(tuned)} of {kernels} kernels tuned from {tuning_log}"
-              + ("" if len(tuned) == kernels else
-                 f", {kernels - len(tuned)} with default schedules (no matching record: other shape or target)"),
-              file=sys.stderr)
-    return mod
+    if verbose and note is not None:
+        print(f"rlx_tvm.compile: {note}", file=sys.stderr)
+    return mod, Lowering(kernels, tuned, tuning_log, note)
 
 
-def compile(mod: tvm.IRModule, target="llvm", schedule: bool = True, tuning_log: str | None = None,  # noqa: A001
+def compile(mod: tvm.IRModule, target="llvm", schedule: bool = True, tuning_log: str | None = "auto",  # noqa: A001
             verbose: bool = True):
     """Compile a Relax module that may use rlx ops. Kernels with a record in ``tuning_log`` get
     their tuned schedule; CPU kernels without one get the default schedules of

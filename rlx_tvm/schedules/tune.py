@@ -11,8 +11,14 @@ What stock MetaSchedule trips over here (see TVM_NOTES), and what this module do
 * XGBoost scores are random until ``num_warmup_samples`` measurements exist (default 100): lowered
   to 16 so that small budgets search with the model.
 
+* TVM's CPU thread pool halves ``hardware_concurrency`` on x86 (it assumes hyper-threads): on a
+  2-vCPU machine candidates would be measured on one thread. ``TVM_NUM_THREADS`` is set to the
+  target's ``num-cores`` for the runner's workers unless the caller set it.
+
 Records go to MetaSchedule's own ``JSONDatabase`` in ``work_dir``; running again with the same
 ``work_dir`` resumes: tasks that already hold ``trials`` records are skipped, the others continue.
+:func:`export_log` writes the best record per kernel to a committed tuning log
+(``tuning_logs/<target_key>``), which :func:`rlx_tvm.compile` applies.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["TaskResult", "build_candidate", "cpu_target", "tune"]
+__all__ = ["TaskResult", "build_candidate", "cpu_target", "export_log", "tune"]
 
 
 def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
@@ -74,7 +80,7 @@ def _best_us(records) -> float | None:
 
 
 def tune(
-    mod: tvm.IRModule,
+    mod,
     target: tvm.target.Target | None = None,
     trials: int = 64,
     work_dir: str = "tuning_work",
@@ -82,16 +88,28 @@ def tune(
     seed: int = 0,
     verbose: bool = True,
 ) -> list[TaskResult]:
-    """Tune every kernel of ``mod`` (a Relax module, rlx ops allowed) with ``trials`` measured
-    candidates each, recording into ``work_dir``'s JSON database. Prints one line per task."""
+    """Tune every kernel of ``mod`` with ``trials`` measured candidates each, recording into
+    ``work_dir``'s JSON database. ``mod`` is a Relax module (rlx ops allowed), or ``"suite"`` or a
+    list of :class:`~rlx_tvm.schedules.suite.SuiteKernel` for the benchmark suite at full shapes.
+    Prints one line per task."""
     from ..build import lower
+    from .suite import SuiteKernel, suite_ir_module
 
+    if isinstance(mod, str) and mod == "suite":
+        mod = suite_ir_module()
+    elif isinstance(mod, (list, tuple)) and all(isinstance(k, SuiteKernel) for k in mod):
+        mod = suite_ir_module(list(mod))
     target = target or cpu_target()
+    if "num-cores" in target.attrs:
+        os.environ.setdefault("TVM_NUM_THREADS", str(int(target.attrs["num-cores"])))
     os.makedirs(work_dir, exist_ok=True)
     tasks = ms.relax_integration.extract_tasks(lower(mod, target, schedule=False), target)
     db = ms.database.JSONDatabase(work_dir=work_dir)
-    builder = ms.builder.LocalBuilder(f_build=build_candidate, max_workers=1, timeout_sec=60)
-    runner = ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=50))
+    # Builds and runs alternate (a batch is built, then measured), so builds can use every core.
+    builder = ms.builder.LocalBuilder(f_build=build_candidate, max_workers=os.cpu_count() or 1, timeout_sec=60)
+    # number=1 with min_repeat_ms: fast kernels repeat until 50 ms have passed, slow ones (full-size
+    # attention: seconds) run once instead of three times.
+    runner = ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=1, min_repeat_ms=50))
     results = []
     for i, task in enumerate(tasks):
         task_mod = task.dispatched[0]
@@ -122,6 +140,22 @@ def tune(
             print(f"{label}: {status}, {len(done)} records, best {_fmt(best)} "
                   f"({time.time() - start:.0f} s)", flush=True)
     return results
+
+
+def export_log(work_dir: str, log_dir: str) -> int:
+    """Write the best record of every kernel in ``work_dir``'s database to ``log_dir`` (MetaSchedule's
+    own pruning, ``Database.dump_pruned``); returns the number of kernels. This is what gets
+    committed: the full search history stays in ``work_dir``."""
+    from ..build import load_tuning_log
+
+    src = load_tuning_log(work_dir)
+    os.makedirs(log_dir, exist_ok=True)
+    for f in ("database_workload.json", "database_tuning_record.json"):  # replace, not append
+        if os.path.exists(os.path.join(log_dir, f)):
+            os.remove(os.path.join(log_dir, f))
+    dst = ms.database.JSONDatabase(work_dir=log_dir)
+    src.dump_pruned(dst)
+    return len(load_tuning_log(log_dir).get_all_tuning_records())
 
 
 def _fmt(us: float | None) -> str:

@@ -1,0 +1,250 @@
+"""``rlx-tvm bench``: the backward-kernel suite timed side by side.
+
+For every suite kernel (:mod:`rlx_tvm.schedules.suite`) and in one process:
+
+* ``tuned``: :func:`rlx_tvm.compile` with the committed tuning log of the target (kernels without
+  a record get default schedules; the count is reported);
+* ``default``: :func:`rlx_tvm.compile` without a log (rlx default schedules);
+* ``tvm``: TVM 0.27 on its own: its ``relax.op.grad`` ops where it has them, else the rlx
+  decomposition into primitive Relax ops, compiled by plain ``tvm.compile`` (no schedules);
+* ``torch``: PyTorch eager CPU, the backward only (``torch.autograd.grad`` on a saved forward),
+  when torch is installed.
+
+Repeats are interleaved (round r times every variant once), each timing averages enough calls
+to last ``min_ms``, and the median over repeats is reported. TVM and torch use the same thread
+count. A parallel copy kernel measured in the same run gives the machine's copy bandwidth, the
+yardstick for memory-bound kernels; compute-bound ones (conv, attention) report GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+VARIANTS = ("tuned", "default", "tvm", "torch")
+
+
+@dataclass
+class KernelResult:
+    name: str
+    ms: dict[str, float] = field(default_factory=dict)  # variant -> median milliseconds
+    bytes: int = 0
+    flops: float | None = None
+    tuned_kernels: str = ""  # "k/n" kernels with a tuning record
+    max_rel_diff: float = 0.0  # largest difference between the TVM variants' outputs
+
+    def rate(self, variant: str = "tuned") -> tuple[float, str] | None:
+        if variant not in self.ms:
+            return None
+        secs = self.ms[variant] / 1e3
+        return (self.flops / secs / 1e9, "GFLOP/s") if self.flops else (self.bytes / secs / 1e9, "GB/s")
+
+
+def _calibrated(run, min_ms: float):
+    """A timer of ``run``: calls per timing chosen once so that one timing lasts >= ``min_ms``."""
+    run()  # warm up (first-call allocations, thread pool start)
+    t0 = time.perf_counter()
+    run()
+    once = time.perf_counter() - t0
+    number = max(1, int(min_ms / 1e3 / max(once, 1e-9)))
+
+    def timer() -> float:
+        t = time.perf_counter()
+        for _ in range(number):
+            run()
+        return (time.perf_counter() - t) / number * 1e3
+
+    return timer
+
+
+def _tvm_runner(ex, args):
+    import tvm
+    from tvm import relax
+
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    main = vm["main"]
+    return (lambda: main(*args)), vm
+
+
+def _outputs(vm, args) -> list[np.ndarray]:
+    out = vm["main"](*args)
+    return [o.numpy() for o in out]
+
+
+def _copy_bandwidth(min_ms: float, repeats: int, n: int = 8 << 20) -> float:
+    """GB/s of a parallel, vectorized float32 copy of ``n`` elements (read + write)."""
+    import tvm
+    from tvm import te
+
+    a = te.placeholder((n // 1024, 1024), "float32", name="a")
+    b = te.compute(a.shape, lambda i, j: a[i, j], name="b")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([a, b]))
+    i, j = sch.get_loops(sch.get_sblock("b"))
+    sch.parallel(i)
+    sch.vectorize(j)
+    f = tvm.compile(sch.mod, target=_target())
+    x = tvm.runtime.tensor(np.ones((n // 1024, 1024), "float32"))
+    y = tvm.runtime.empty((n // 1024, 1024), "float32")
+    timer = _calibrated(lambda: f(x, y), min_ms)
+    ms = statistics.median(timer() for _ in range(repeats))
+    return 2 * n * 4 / (ms / 1e3) / 1e9
+
+
+_TARGET = None
+
+
+def _target():
+    from .schedules.tune import cpu_target
+
+    return _TARGET or cpu_target()
+
+
+def _torch_runner(kernel, inputs):
+    import torch
+
+    ts = {k: torch.from_numpy(v.copy()) for k, v in inputs.items()}
+    for k, v in ts.items():
+        if v.is_floating_point():
+            v.requires_grad_(True)
+    out, leaves, cot = kernel.torch(**ts)
+    cot = cot.detach().contiguous()
+
+    def run():
+        return torch.autograd.grad(out, leaves, cot, retain_graph=True)
+
+    return run
+
+
+def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int | None = None,
+              tuning_log: str | None = "auto", use_torch: bool = True, scale: str = "full",
+              progress=print) -> dict:
+    """Time the suite; returns the JSON-able result (also what :func:`format_table` prints)."""
+    threads = threads or os.cpu_count() or 1
+    os.environ["TVM_NUM_THREADS"] = str(threads)  # before TVM's thread pool starts
+    import tvm
+
+    from . import build
+    from .passes import DecomposeBackwardOps
+    from .schedules.suite import flops_of, suite_kernels, suite_module
+    from .testing import as_tensors
+
+    torch = None
+    if use_torch:
+        try:
+            import torch
+        except ImportError:
+            progress("torch is not installed: no PyTorch column (pip install -e '.[torch]')")
+    if torch is not None:
+        torch.set_num_threads(threads)
+    target = _target()
+    log = build.tuning_log_for(target) if tuning_log == "auto" else tuning_log
+    if log is None:
+        progress(f"no tuning log for {build.target_key(target)}: the 'tuned' column is left out")
+
+    progress(f"copy bandwidth ({threads} threads) ...")
+    copy_gbps = _copy_bandwidth(min_ms, repeats)
+    results = []
+    for i, kernel in enumerate(suite_kernels(kernels)):
+        t0 = time.time()
+        inputs = kernel.inputs(scale)
+        args = as_tensors(inputs.values())
+        mod = suite_module(kernel, scale)
+        exes = {}
+        res = KernelResult(kernel.name, flops=flops_of(kernel, scale))
+        if log is not None:
+            lowered, how = build.lower_with_report(mod, target, tuning_log=log, verbose=False)
+            exes["tuned"] = tvm.compile(lowered, target=target)
+            res.tuned_kernels = f"{len(how.tuned)}/{how.kernels}"
+        exes["default"] = build.compile(mod, target, tuning_log=None)
+        base = suite_module(kernel, scale, "tvm") if kernel.tvm else DecomposeBackwardOps()(mod)
+        exes["tvm"] = tvm.compile(base, target=target)
+        runners, outs = {}, {}
+        for name, ex in exes.items():
+            runners[name], vm = _tvm_runner(ex, args)
+            outs[name] = _outputs(vm, args)
+        ref = outs["default"]
+        res.bytes = kernel.bytes_moved(inputs, ref)
+        res.max_rel_diff = max(
+            float(np.abs(a - b).max() / max(1e-30, np.abs(b).max())) for o in outs.values() for a, b in zip(o, ref))
+        if torch is not None:
+            runners["torch"] = _torch_runner(kernel, inputs)
+        timers = {name: _calibrated(run, min_ms) for name, run in runners.items()}
+        samples: dict[str, list[float]] = {name: [] for name in timers}
+        for _ in range(repeats):  # interleaved: every variant once per round
+            for name, timer in timers.items():
+                samples[name].append(timer())
+        res.ms = {name: statistics.median(v) for name, v in samples.items()}
+        results.append(res)
+        progress(f"[{i + 1}/{len(suite_kernels(kernels))}] {kernel.name}: "
+                 + ", ".join(f"{n} {ms:.3f} ms" for n, ms in res.ms.items()) + f"  ({time.time() - t0:.0f} s)")
+    return _report(results, copy_gbps, threads, target, log, repeats)
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return float(np.exp(np.mean(np.log(xs)))) if xs else None
+
+
+def _report(results, copy_gbps, threads, target, log, repeats) -> dict:
+    best = "tuned" if all("tuned" in r.ms for r in results) else "default"
+    vs_torch = [r.ms[best] / r.ms["torch"] for r in results if "torch" in r.ms]
+    vs_tvm = [r.ms["tvm"] / r.ms[best] for r in results]
+    memory_bound = [r for r in results if not r.flops]
+    return {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "target": str(target), "threads": threads, "repeats": repeats, "tuning_log": log,
+        "copy_gbps": copy_gbps, "compared": best,
+        "kernels": [dict(asdict(r), rate=r.rate(best)) for r in results],
+        "summary": {
+            "geomean_vs_torch": _geomean(vs_torch),
+            "worst_vs_torch": max(vs_torch) if vs_torch else None,
+            "geomean_speedup_vs_tvm": _geomean(vs_tvm),
+            "min_speedup_vs_tvm": min(vs_tvm) if vs_tvm else None,
+            "memory_bound_at_60pct_copy": sum(r.rate(best)[0] >= 0.6 * copy_gbps for r in memory_bound),
+            "memory_bound": len(memory_bound),
+        },
+    }
+
+
+def format_table(report: dict) -> str:
+    best = report["compared"]
+    head = ["kernel", "tuned ms", "default ms", "TVM ms", "torch ms", f"{best}/torch", f"TVM/{best}",
+            "rate", "% copy BW", "tuned", "check"]
+    rows = []
+    for k in report["kernels"]:
+        ms = k["ms"]
+        rate, unit = k["rate"]
+        rows.append([
+            k["name"], *(f"{ms[v]:.3f}" if v in ms else "-" for v in VARIANTS),
+            f"{ms[best] / ms['torch']:.2f}x" if "torch" in ms else "-",
+            f"{ms['tvm'] / ms[best]:.1f}x",
+            f"{rate:.1f} {unit}", "-" if unit != "GB/s" else f"{100 * rate / report['copy_gbps']:.0f}%",
+            k["tuned_kernels"] or "-", "ok" if k["max_rel_diff"] < 1e-3 else f"DIFF {k['max_rel_diff']:.1e}",
+        ])
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    s = report["summary"]
+    out = [line(head), line(["-" * w for w in widths]), *map(line, rows), ""]
+    out.append(f"copy bandwidth {report['copy_gbps']:.1f} GB/s, {report['threads']} threads, "
+               f"median of {report['repeats']} interleaved repeats; target {report['target']}")
+    if s["geomean_vs_torch"] is not None:
+        out.append(f"{best} vs PyTorch eager: geomean {s['geomean_vs_torch']:.2f}x of torch's time, "
+                   f"worst {s['worst_vs_torch']:.2f}x")
+    out.append(f"{best} vs TVM untuned: geomean {s['geomean_speedup_vs_tvm']:.1f}x faster, "
+               f"least {s['min_speedup_vs_tvm']:.1f}x")
+    out.append(f"memory-bound kernels at >= 60% of copy bandwidth: {s['memory_bound_at_60pct_copy']} of {s['memory_bound']}")
+    return "\n".join(out)
+
+
+def write_json(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
