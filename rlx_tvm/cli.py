@@ -50,13 +50,16 @@ def _kernel_names(arg: str | None) -> list[str] | None:
         return None
     names = [n.strip() for n in arg.split(",") if n.strip()]
     for n in names:
-        suite_kernel(n)  # raises with the list of valid names
+        try:
+            suite_kernel(n)
+        except KeyError as err:
+            raise SystemExit(f"rlx-tvm: {err.args[0]}") from None
     return names
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .build import TUNING_LOGS, target_key
-    from .schedules.suite import suite_kernels
+    from .schedules.suite import suite_ir_module, suite_kernels
     from .schedules.tune import export_log, tune
 
     target = _target(args.target)
@@ -69,7 +72,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     rows = []
     for i, kernel in enumerate(kernels):
         print(f"== {kernel.name} ({i + 1}/{len(kernels)})", flush=True)
-        for r in tune([kernel], target, trials=args.trials, work_dir=work_dir, seed=args.seed):
+        mod = suite_ir_module([kernel], args.scale)
+        for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed):
             rows.append((kernel.name, r.name, r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
     n = export_log(work_dir, log_dir)
     print()
@@ -177,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--work-dir", help="database of all records (default tuning_work/<target key>)")
     tu.add_argument("--log-dir", help="pruned tuning log to write (default tuning_logs/<target key>)")
     tu.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    tu.add_argument("--scale", default="full", choices=["full", "small"],
+                    help="suite shapes (default full, the benchmark's; small: a quick check)")
     tu.set_defaults(func=_cmd_tune)
 
     be = sub.add_parser(

@@ -24,7 +24,7 @@ from tvm import relax
 
 from .. import ops
 
-__all__ = ["SUITE", "SuiteKernel", "suite_kernel", "suite_module"]
+__all__ = ["SUITE", "SuiteKernel", "suite_ir_module", "suite_kernel", "suite_kernels", "suite_module", "suite_reference"]
 
 
 @dataclass(frozen=True)
@@ -363,6 +363,30 @@ def suite_module(kernel: SuiteKernel, scale: str = "full", formulation: str = "r
             gv = bb.emit_output(relax.Tuple(outs))
         bb.emit_func_output(gv)
     return bb.get()
+
+
+def suite_reference(kernel: SuiteKernel, scale: str = "small", seed: int = 0) -> list[np.ndarray]:
+    """The kernel's outputs on ``kernel.inputs(scale, seed)``, in float64 from the ops' NumPy
+    references, evaluated binding by binding over its Relax function (rlx ops, plus the plain
+    ``relax.sum`` some kernels use)."""
+    from ..ops.registry import get_op
+
+    func = suite_module(kernel, scale)["main"]
+    inputs = kernel.inputs(scale, seed)
+    env = {p: (a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a)
+           for p, a in zip(func.params, inputs.values())}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            call = binding.value
+            if isinstance(call, relax.Tuple):
+                env[binding.var] = [env[f] for f in call.fields]
+            elif call.op.name == "relax.sum":
+                env[binding.var] = env[call.args[0]].sum(axis=tuple(int(a) for a in call.attrs.axis))
+            else:
+                opdef = get_op(call.op.name)
+                args = [None if a is None else env[a] for a in opdef.call_args(call)]
+                env[binding.var] = opdef.reference_fn(**dict(zip(opdef.all_inputs, args)), **opdef.call_attrs(call))
+    return [np.asarray(o) for o in env[func.body.body]]
 
 
 def suite_kernels(names: list[str] | None = None) -> list[SuiteKernel]:

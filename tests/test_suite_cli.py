@@ -1,0 +1,172 @@
+"""The benchmark suite under default schedules (every kernel, small shapes, vs NumPy), the TVM
+baseline formulations, tuning-log lookup by target, and smoke tests of ``rlx-tvm tune``,
+``compile`` and ``bench`` (a tiny real tuning run, its log applied)."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import rlx_tvm
+from rlx_tvm import build, cli
+from rlx_tvm.passes import DecomposeBackwardOps
+from rlx_tvm.schedules.suite import SUITE, suite_ir_module, suite_kernel, suite_module, suite_reference
+from rlx_tvm.schedules.tune import cpu_target, export_log
+from rlx_tvm.testing import as_tensors
+
+RTOL, ATOL = 2e-4, 2e-5  # float32 vs float64 references, atol relative to the output's magnitude
+
+
+def _close(got, ref, what):
+    for i, (g, r) in enumerate(zip(got, ref)):
+        np.testing.assert_allclose(g, r, rtol=RTOL, atol=ATOL * max(1.0, float(np.abs(r).max())),
+                                   err_msg=f"{what}, output {i}")
+
+
+def _run(ex, kernel, scale="small"):
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    return [o.numpy() for o in vm["main"](*as_tensors(kernel.inputs(scale).values()))]
+
+
+def test_suite_covers_the_issue_shapes():
+    names = {k.name for k in SUITE}
+    assert names == {
+        "relu_backward", "gelu_backward", "silu_backward", "layer_norm_backward", "rms_norm_backward",
+        "group_norm_backward", "softmax_cross_entropy_backward", "conv2d_backward_input", "conv2d_backward_weight",
+        "max_pool2d_backward", "attention_backward", "gather_backward", "cumsum_backward",
+        "fake_quantize_backward", "rope_backward"}
+    full = {k.name: {n: s for n, (s, _) in k.shapes("full").items()} for k in SUITE}
+    assert np.prod(full["gelu_backward"]["x"]) == 8 << 20 and np.prod(full["fake_quantize_backward"]["x"]) == 8 << 20
+    assert full["layer_norm_backward"]["x"] == (8192, 768) and full["softmax_cross_entropy_backward"]["logits"] == (2048, 8192)
+    assert full["attention_backward"]["q"] == (4, 512, 8, 64) and full["gather_backward"]["table"] == (32000, 768)
+    assert full["max_pool2d_backward"]["x"] == (8, 64, 112, 112) and full["rope_backward"]["x"] == (4, 512, 8, 64)
+    with pytest.raises(KeyError, match="relu_backward"):
+        suite_kernel("no_such_kernel")
+
+
+def test_default_schedules_cover_every_suite_kernel():
+    """One module with every suite kernel at small shapes: each kernel gets a parallel schedule, and
+    every output matches the NumPy references."""
+    mod = suite_ir_module(scale="small")
+    lowered = build.lower(mod, cpu_target(), tuning_log=None)
+    prims = {gv.name_hint: f for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert len(prims) >= len(SUITE)
+    unscheduled = [n for n, f in prims.items() if "tirx.is_scheduled" not in (f.attrs or {})]
+    serial = [n for n, f in prims.items() if "T.parallel" not in f.script()]
+    assert not unscheduled and not serial, (unscheduled, serial)
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+    for k in SUITE:
+        got = [o.numpy() for o in vm[k.name](*as_tensors(k.inputs("small").values()))]
+        _close(got, suite_reference(k, "small"), k.name)
+
+
+def test_tvm_baselines_match_the_rlx_kernels():
+    """The bench's TVM column computes the same thing: relax.op.grad ops where TVM has them, the
+    decomposition into primitives elsewhere (one kernel of each kind is enough here)."""
+    for name in ("max_pool2d_backward", "gather_backward", "layer_norm_backward"):
+        k = suite_kernel(name)
+        mod = suite_module(k, "small")
+        base = suite_module(k, "small", "tvm") if k.tvm else DecomposeBackwardOps()(mod)
+        _close(_run(tvm.compile(base, target="llvm"), k), suite_reference(k, "small"), name)
+    with pytest.raises(ValueError, match="no TVM formulation"):
+        suite_module(suite_kernel("relu_backward"), "small", "tvm")
+
+
+def test_target_key_names_cpu_and_cores():
+    assert build.target_key(cpu_target(num_cores=2)) == f"llvm-{cpu_target().attrs['mcpu']}-2c"
+    assert build.target_key("llvm") == "llvm"
+    assert build.target_key(tvm.target.Target({"kind": "cuda", "arch": "sm_90"})) == "cuda-sm_90"
+
+
+@pytest.fixture(scope="module")
+def cli_tuned(tmp_path_factory):
+    """``rlx-tvm tune`` on one small suite kernel, a handful of trials."""
+    root = tmp_path_factory.mktemp("cli")
+    work, log = root / "work", root / "log"
+    rc = cli.main(["tune", "--kernels", "rms_norm_backward", "--scale", "small", "--trials", "8",
+                   "--work-dir", str(work), "--log-dir", str(log)])
+    return rc, work, log
+
+
+def test_cli_tune_writes_a_pruned_log(cli_tuned, capsys):
+    rc, work, log = cli_tuned
+    assert rc == 0
+    full = build.load_tuning_log(str(work)).get_all_tuning_records()
+    best = build.load_tuning_log(str(log)).get_all_tuning_records()
+    assert len(full) > len(best) == 2  # rms_norm_backward: the dx and dgamma kernels, one record each
+    assert export_log(str(work), str(log)) == 2  # re-export replaces, does not append
+
+
+def test_compiled_log_is_applied_and_correct(cli_tuned, tmp_path, capsys):
+    _, _, log = cli_tuned
+    k = suite_kernel("rms_norm_backward")
+    ex = rlx_tvm.compile(suite_module(k, "small"), cpu_target(), tuning_log=str(log))
+    assert "2 of 2 kernels tuned" in capsys.readouterr().err
+    _close(_run(ex, k), suite_reference(k, "small"), "tuned rms_norm_backward")
+
+    # tuned for another target (here: another core count): not applied, and said
+    ex = rlx_tvm.compile(suite_module(k, "small"), cpu_target(num_cores=1), tuning_log=str(log))
+    err = capsys.readouterr().err
+    assert "was tuned for" in err and "not applied" in err
+    _close(_run(ex, k), suite_reference(k, "small"), "default rms_norm_backward")
+
+
+def test_auto_log_lookup_by_target(cli_tuned, tmp_path, monkeypatch, capsys):
+    _, _, log = cli_tuned
+    shutil.copytree(log, tmp_path / build.target_key(cpu_target()))
+    monkeypatch.setattr(build, "TUNING_LOGS", str(tmp_path))
+    k = suite_kernel("rms_norm_backward")
+    rlx_tvm.compile(suite_module(k, "small"), cpu_target())
+    assert "2 of 2 kernels tuned from" in capsys.readouterr().err
+    rlx_tvm.compile(suite_module(k, "small"), "llvm")  # plain llvm: no log of that name
+    assert "no tuning log for target llvm" in capsys.readouterr().err
+
+
+def test_cli_compile_exports_a_library(cli_tuned, tmp_path, capsys):
+    _, _, log = cli_tuned
+    out = tmp_path / "rms.so"
+    assert cli.main(["compile", "suite:rms_norm_backward", "--scale", "small", "--tuning-log", str(log),
+                     "-o", str(out)]) == 0
+    assert "2 of 2 kernels tuned" in capsys.readouterr().err
+    k = suite_kernel("rms_norm_backward")
+    _close(_run(tvm.runtime.load_module(str(out)), k), suite_reference(k, "small"), "exported library")
+
+    # a TVMScript file with an R.rlx op, default schedules
+    src = tmp_path / "relu.py"
+    src.write_text(suite_module(suite_kernel("relu_backward"), "small").script())
+    assert cli.main(["compile", str(src), "--target", "llvm", "-o", str(tmp_path / "relu.so")]) == 0
+    _close(_run(tvm.runtime.load_module(str(tmp_path / "relu.so")), suite_kernel("relu_backward")),
+           suite_reference(suite_kernel("relu_backward"), "small"), "relu from TVMScript")
+
+
+def test_cli_bench_prints_a_table_and_writes_json(cli_tuned, tmp_path, capsys):
+    _, _, log = cli_tuned
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--scale", "small", "--kernels", "rms_norm_backward,relu_backward", "--repeats", "2",
+                     "--min-ms", "1", "--tuning-log", str(log), "--no-torch", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "rms_norm_backward" in text and "copy bandwidth" in text and "TVM ms" in text
+    report = json.loads(out.read_text())
+    assert [k["name"] for k in report["kernels"]] == ["rms_norm_backward", "relu_backward"]
+    rms, relu = report["kernels"]
+    assert rms["tuned_kernels"] == "2/2" and relu["tuned_kernels"] == "0/1"
+    assert set(rms["ms"]) == {"tuned", "default", "tvm"} and all(v > 0 for v in rms["ms"].values())
+    assert rms["max_rel_diff"] < 1e-4 and report["copy_gbps"] > 0
+
+
+@pytest.mark.parametrize("command", ["tune", "bench", "compile"])
+def test_cli_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--target" in text or "--kernels" in text
+
+
+def test_cli_rejects_unknown_kernels():
+    with pytest.raises(SystemExit, match="no suite kernel 'nope'; the suite has .*relu_backward"):
+        cli.main(["bench", "--kernels", "nope", "--scale", "small"])
