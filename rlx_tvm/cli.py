@@ -60,20 +60,27 @@ def _kernel_names(arg: str | None) -> list[str] | None:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .build import TUNING_LOGS, target_key
     from .schedules.suite import suite_ir_module, suite_kernels
-    from .schedules.tune import export_log, tune
+    from .schedules.tune import export_log, rpc_runner, tune
 
     target = _target(args.target)
     key = target_key(target)
     work_dir = args.work_dir or os.path.join("tuning_work", key)
     log_dir = args.log_dir or os.path.join(TUNING_LOGS, key)
     kernels = suite_kernels(_kernel_names(args.kernels))
+    runner = None
+    if args.rpc:
+        if not args.key:
+            raise SystemExit("rlx-tvm tune: --rpc needs --key (the key the RPC servers registered with)")
+        runner = rpc_runner(args.rpc, args.key)
+        print(f"measuring on RPC servers with key {args.key!r} via the tracker at {args.rpc}", flush=True)
     print(f"tuning {len(kernels)} suite kernel(s) for {key} ({target}), {args.trials} trials per kernel, "
           f"records in {work_dir}", flush=True)
     rows = []
     for i, kernel in enumerate(kernels):
         print(f"== {kernel.name} ({i + 1}/{len(kernels)})", flush=True)
         mod = suite_ir_module([kernel], args.scale)
-        for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed):
+        for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed,
+                      runner=runner):
             rows.append((kernel.name, r.name, r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
     n = export_log(work_dir, log_dir)
     print()
@@ -181,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--work-dir", help="database of all records (default tuning_work/<target key>)")
     tu.add_argument("--log-dir", help="pruned tuning log to write (default tuning_logs/<target key>)")
     tu.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    tu.add_argument("--rpc", metavar="HOST:PORT",
+                    help="measure on remote devices through this TVM RPC tracker (python -m tvm.exec.rpc_tracker)")
+    tu.add_argument("--key", help="with --rpc: the device key the RPC servers registered with (--key of rpc_server)")
     tu.add_argument("--scale", default="full", choices=["full", "small"],
                     help="suite shapes (default full, the benchmark's; small: a quick check)")
     tu.set_defaults(func=_cmd_tune)

@@ -76,3 +76,56 @@ def test_missing_or_corrupt_log_is_a_clear_error(tuned, tmp_path):
     (bad / "database_tuning_record.json").write_text('[0, ["not a trace"\n')
     with pytest.raises(TuningLogError, match="cannot be read"):
         rlx_tvm.compile(mod, cpu_target(), tuning_log=str(bad))
+
+
+@pytest.fixture
+def rpc_tracker():
+    """A TVM RPC tracker with two CPU servers on loopback, stopped afterwards."""
+    import time
+
+    from tvm import rpc
+    from tvm.rpc.server import Server
+    from tvm.rpc.tracker import Tracker
+
+    key = "rlx-test-cpu"
+    tracker = Tracker("127.0.0.1", port=9190, port_end=9290, silent=True)
+    servers = [Server("127.0.0.1", port=9300, port_end=9400, key=key, tracker_addr=("127.0.0.1", tracker.port),
+                      silent=True) for _ in range(2)]
+    try:
+        for _ in range(60):
+            if len(rpc.connect_tracker("127.0.0.1", tracker.port).summary().get("server_info", [])) == 2:
+                break
+            time.sleep(0.5)
+        yield f"127.0.0.1:{tracker.port}", key
+    finally:
+        for s in servers:
+            s.terminate()
+        tracker.terminate()
+
+
+def test_tuning_through_an_rpc_tracker(rpc_tracker, tmp_path, capsys):
+    from rlx_tvm.schedules.tune import rpc_runner
+
+    tracker, key = rpc_tracker
+    case = _case(24)
+    mod = build_module([case], "float32", symbolic=False)
+    results = tune(mod, cpu_target(), trials=8, work_dir=str(tmp_path), runner=rpc_runner(tracker, key))
+    assert [r.status for r in results] == ["tuned"] and results[0].best_us is not None
+    measured = [r for r in rlx_tvm.build.load_tuning_log(str(tmp_path)).get_all_tuning_records()
+                if float(r.run_secs[0]) < 1e9]
+    assert len(measured) >= 4  # run on the servers, not failed
+    ex = rlx_tvm.compile(mod, cpu_target(), tuning_log=str(tmp_path))
+    assert "1 of 1 kernels tuned" in capsys.readouterr().err
+    np.testing.assert_allclose(_run(ex, case), case.reference(), rtol=2e-4, atol=2e-5)
+
+    with pytest.raises(ConnectionError, match="no server with key 'other'"):
+        rpc_runner(tracker, "other")
+
+
+def test_rpc_tracker_errors():
+    from rlx_tvm.schedules.tune import rpc_runner
+
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        rpc_runner("localhost", "k")
+    with pytest.raises(ConnectionError, match="cannot reach the RPC tracker"):
+        rpc_runner("127.0.0.1:1", "k")

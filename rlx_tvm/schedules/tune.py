@@ -24,13 +24,14 @@ Records go to MetaSchedule's own ``JSONDatabase`` in ``work_dir``; running again
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["TaskResult", "build_candidate", "cpu_target", "export_log", "tune"]
+__all__ = ["TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune"]
 
 
 def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
@@ -57,6 +58,34 @@ def _space() -> ms.space_generator.PostOrderApply:
     return ms.space_generator.PostOrderApply(
         sch_rules=rules, postprocs=ms.Postproc.create("llvm"), mutator_probs=ms.Mutator.create("llvm")
     )
+
+
+def _evaluator() -> ms.runner.EvaluatorConfig:
+    # number=1 with min_repeat_ms: fast kernels repeat until 50 ms have passed, slow ones (full-size
+    # attention: seconds) run once instead of three times.
+    return ms.runner.EvaluatorConfig(number=1, repeat=1, min_repeat_ms=50)
+
+
+def rpc_runner(tracker: str, key: str, timeout_sec: int = 60) -> ms.runner.RPCRunner:
+    """A MetaSchedule runner that measures on every RPC server registered under ``key`` with the
+    tracker at ``tracker`` (``host:port``), one candidate per free server at a time."""
+    from tvm import rpc
+
+    host, _, port = tracker.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"tune: rpc tracker must be HOST:PORT, got {tracker!r}")
+    try:  # probe first: connect_tracker retries for a minute before it gives up
+        socket.create_connection((host, int(port)), timeout=5).close()
+        summary = rpc.connect_tracker(host, int(port)).summary()
+    except Exception as err:  # noqa: BLE001 - a clear message instead of a socket traceback
+        raise ConnectionError(f"tune: cannot reach the RPC tracker at {tracker} ({err})") from err
+    servers = sum(1 for s in summary.get("server_info", []) if str(s.get("key", "")).split(":")[-1] == key)
+    if servers == 0:
+        raise ConnectionError(f"tune: the RPC tracker at {tracker} has no server with key {key!r} "
+                              f"(start one: python -m tvm.exec.rpc_server --tracker {tracker} --key {key})")
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key,
+                                 session_priority=1, session_timeout_sec=timeout_sec)
+    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=_evaluator(), max_workers=servers)
 
 
 @dataclass
@@ -87,11 +116,13 @@ def tune(
     trials_per_iter: int = 32,
     seed: int = 0,
     verbose: bool = True,
+    runner: ms.runner.Runner | None = None,
 ) -> list[TaskResult]:
     """Tune every kernel of ``mod`` with ``trials`` measured candidates each, recording into
     ``work_dir``'s JSON database. ``mod`` is a Relax module (rlx ops allowed), or ``"suite"`` or a
     list of :class:`~rlx_tvm.schedules.suite.SuiteKernel` for the benchmark suite at full shapes.
-    Prints one line per task."""
+    Candidates are measured locally, or by ``runner`` (e.g. :func:`rpc_runner`: remote devices
+    through TVM's RPC tracker). Prints one line per task."""
     from ..build import lower
     from .suite import SuiteKernel, suite_ir_module
 
@@ -107,9 +138,7 @@ def tune(
     db = ms.database.JSONDatabase(work_dir=work_dir)
     # Builds and runs alternate (a batch is built, then measured), so builds can use every core.
     builder = ms.builder.LocalBuilder(f_build=build_candidate, max_workers=os.cpu_count() or 1, timeout_sec=60)
-    # number=1 with min_repeat_ms: fast kernels repeat until 50 ms have passed, slow ones (full-size
-    # attention: seconds) run once instead of three times.
-    runner = ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=1, min_repeat_ms=50))
+    runner = runner or ms.runner.LocalRunner(evaluator_config=_evaluator())
     results = []
     for i, task in enumerate(tasks):
         task_mod = task.dispatched[0]
