@@ -11,6 +11,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from .schedules import default_cpu_rules
+from .schedules.gpu import schedule_gpu
 
 __all__ = ["Lowering", "TuningLogError", "compile", "load_tuning_log", "lower", "lower_with_report", "target_key",
            "tuning_log_for"]
@@ -25,7 +26,10 @@ class TuningLogError(ValueError):
 
 
 def _as_target(target) -> tvm.target.Target:
-    return target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    if "gpu" in target.keys and target.host is None:  # device kernels need a host to launch them
+        target = target.with_host(tvm.target.Target("llvm"))
+    return target
 
 
 def target_key(target) -> str:
@@ -133,6 +137,8 @@ def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, t
     if schedule and target.kind.name == "llvm":
         with target:
             mod = dl.ApplyDefaultSchedule(*default_cpu_rules())(mod)
+    elif schedule and "gpu" in target.keys:
+        mod, _ = schedule_gpu(mod, target)
     if verbose and note is not None:
         print(f"rlx_tvm.compile: {note}", file=sys.stderr)
     return mod, Lowering(kernels, tuned, tuning_log, note)
