@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune"]
+__all__ = ["TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune", "tuning_target"]
 
 
 def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
@@ -49,15 +49,40 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) 
     return tvm.tirx.build(mod, target=target)
 
 
-def _space() -> ms.space_generator.PostOrderApply:
-    rules = []
-    for rule in ms.ScheduleRule.create("llvm"):
-        if isinstance(rule, ms.schedule_rule.MultiLevelTiling):
-            rule = ms.schedule_rule.MultiLevelTiling(structure="SSRSRS", max_innermost_factor=64, reuse_write=None)
-        rules.append(rule)
-    return ms.space_generator.PostOrderApply(
-        sch_rules=rules, postprocs=ms.Postproc.create("llvm"), mutator_probs=ms.Mutator.create("llvm")
-    )
+def tuning_target(target) -> tvm.target.Target:
+    """``target`` with what MetaSchedule's GPU rules require filled in: ``max_threads_per_block``
+    (from ``max_num_threads``) and ``max_shared_memory_per_block`` (48 KiB CUDA, 32 KiB Metal,
+    16 KiB otherwise) when the target does not give them; and a host for device code."""
+    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    if "gpu" not in target.keys:
+        return target
+    config = dict(target.export())
+    config.setdefault("max_threads_per_block", int(config.get("max_num_threads", 256)))
+    config.setdefault("max_shared_memory_per_block", {"cuda": 49152, "metal": 32768}.get(target.kind.name, 16384))
+    config.pop("host", None)
+    return tvm.target.Target(config, host=target.host or tvm.target.Target("llvm"))
+
+
+def _spaces(target: tvm.target.Target) -> list[tuple[str, ms.space_generator.PostOrderApply]]:
+    """Design spaces to try in order: the target's rules, then the same without multi-level tiling,
+    whose design-space generation fails on some fused multi-reduction kernels (e.g. GPU gamma
+    gradients: ``Index 6 out of bounds 6``)."""
+    kind = "cuda" if "gpu" in target.keys else "llvm"  # the GPU rules bind threads and verify limits
+
+    def space(tiling: bool):
+        rules = []
+        for rule in ms.ScheduleRule.create(kind):
+            if isinstance(rule, ms.schedule_rule.MultiLevelTiling):
+                if not tiling:
+                    continue
+                if kind == "llvm":
+                    rule = ms.schedule_rule.MultiLevelTiling(structure="SSRSRS", max_innermost_factor=64,
+                                                             reuse_write=None)
+            rules.append(rule)
+        return ms.space_generator.PostOrderApply(
+            sch_rules=rules, postprocs=ms.Postproc.create(kind), mutator_probs=ms.Mutator.create(kind))
+
+    return [("", space(True)), (" without multi-level tiling", space(False))]
 
 
 def _evaluator() -> ms.runner.EvaluatorConfig:
@@ -96,14 +121,16 @@ class TaskResult:
     status: str  # "tuned", "resumed" (already complete), or "failed: <reason>"
 
 
-def _records(db: ms.database.Database, mod: tvm.IRModule, k: int = 1 << 30):
+def _records(db: ms.database.Database, mod: tvm.IRModule):
+    """Every record of ``mod``, measured or not (a candidate that could not run is stored with 1e10 s)."""
     if not db.has_workload(mod):
         return []
-    return [r for r in db.get_top_k(db.commit_workload(mod), k) if r.run_secs]
+    workload = db.commit_workload(mod)  # get_top_k would leave out the unmeasured ones
+    return [r for r in db.get_all_tuning_records() if r.workload.same_as(workload)]
 
 
 def _best_us(records) -> float | None:
-    secs = [sum(float(s) for s in r.run_secs) / len(r.run_secs) for r in records]
+    secs = [sum(float(s) for s in r.run_secs) / len(r.run_secs) for r in records if r.run_secs]
     secs = [s for s in secs if s < 1e9]  # failed runs are stored as 1e10
     return min(secs) * 1e6 if secs else None
 
@@ -130,7 +157,7 @@ def tune(
         mod = suite_ir_module()
     elif isinstance(mod, (list, tuple)) and all(isinstance(k, SuiteKernel) for k in mod):
         mod = suite_ir_module(list(mod))
-    target = target or cpu_target()
+    target = tuning_target(target or cpu_target())
     if "num-cores" in target.attrs:
         os.environ.setdefault("TVM_NUM_THREADS", str(int(target.attrs["num-cores"])))
     os.makedirs(work_dir, exist_ok=True)
@@ -151,19 +178,26 @@ def tune(
                 print(f"{label}: {len(done)} records already, best {_fmt(best)}", flush=True)
             continue
         start = time.time()
-        try:
-            ms.tune_tir(
-                task_mod, target, work_dir, max_trials_global=trials - len(done),
-                num_trials_per_iter=min(trials_per_iter, trials - len(done)), builder=builder, runner=runner,
-                database=db, cost_model=ms.cost_model.XGBModel(num_warmup_samples=16), space=_space(),
-                strategy=ms.search_strategy.EvolutionarySearch(population_size=128, genetic_num_iters=2),
-                num_tuning_cores=1, seed=seed,
-            )
-            status = "tuned"
-        except Exception as err:  # noqa: BLE001 - one bad task must not end the run
-            status = f"failed: {type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}"
+        errors = []
+        for how, space in _spaces(target):
+            try:
+                ms.tune_tir(
+                    task_mod, target, work_dir, max_trials_global=trials - len(done),
+                    num_trials_per_iter=min(trials_per_iter, trials - len(done)), builder=builder, runner=runner,
+                    database=db, cost_model=ms.cost_model.XGBModel(num_warmup_samples=16), space=space,
+                    strategy=ms.search_strategy.EvolutionarySearch(population_size=128, genetic_num_iters=2),
+                    num_tuning_cores=1, seed=seed,
+                )
+                status = "tuned" + how
+                break
+            except Exception as err:  # noqa: BLE001 - one bad task must not end the run
+                errors.append(f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:120]}")
+        else:
+            status = "failed: " + errors[-1]
         done = _records(db, task_mod)
         best = _best_us(done)
+        if status.startswith("tuned") and done and best is None:
+            status += ", nothing measured (no device here? measure through --rpc)"
         results.append(TaskResult(task.task_name, len(done), best, status))
         if verbose:
             print(f"{label}: {status}, {len(done)} records, best {_fmt(best)} "
