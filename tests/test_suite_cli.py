@@ -64,6 +64,23 @@ def test_default_schedules_cover_every_suite_kernel():
         _close(got, suite_reference(k, "small"), k.name)
 
 
+def test_default_schedules_cover_the_decomposed_suite():
+    """The primitives the decompositions produce get default schedules too (all of them parallel
+    where they have a spatial loop), and compute the same values."""
+    mod = DecomposeBackwardOps()(suite_ir_module(scale="small"))
+    lowered = build.lower(mod, cpu_target(), tuning_log=None)
+    prims = {gv.name_hint: f for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert len(prims) > 2 * len(SUITE)
+    parallel = [n for n, f in prims.items() if "T.parallel" in f.script()]
+    # scheduled by us, or TOPI's hand-written kernels (scatter_elements), which come parallel
+    assert all("tirx.is_scheduled" in (f.attrs or {}) or n in parallel for n, f in prims.items())
+    assert len(parallel) >= 0.9 * len(prims), sorted(set(prims) - set(parallel))
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+    for k in SUITE:
+        got = [o.numpy() for o in vm[k.name](*as_tensors(k.inputs("small").values()))]
+        _close(got, suite_reference(k, "small"), k.name + " (decomposed)")
+
+
 def test_tvm_baselines_match_the_rlx_kernels():
     """The bench's TVM column computes the same thing: relax.op.grad ops where TVM has them, the
     decomposition into primitives elsewhere (one kernel of each kind is enough here)."""
