@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
+
+from .common import inlined_blocks
 
 __all__ = ["ParallelFallback", "default_cpu_rules"]
 
@@ -38,12 +38,10 @@ class ParallelFallback(CPUScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        sch = s_tir.Schedule(func)
-        blocks = normalize_prim_func(sch)
-        if blocks is None:
+        found = inlined_blocks(func)
+        if found is None:
             return None
-        if len(blocks) > 1:
-            blocks = try_inline(sch, blocks)
+        sch, blocks = found
         lanes = max(1, llvm_get_vector_width(target) // 32)
         for info in blocks:
             self._schedule_block(sch, info, lanes)

@@ -21,10 +21,10 @@ import importlib
 import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base.common_schedules import try_inline
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
+
+from .common import inlined_blocks
 
 __all__ = ["ThreadPerOutput", "gpu_limits", "schedule_gpu"]
 
@@ -39,12 +39,10 @@ class ThreadPerOutput(GPUScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        sch = s_tir.Schedule(func)
-        blocks = normalize_prim_func(sch)
-        if blocks is None:
+        found = inlined_blocks(func)
+        if found is None:
             return None
-        if len(blocks) > 1:
-            blocks = try_inline(sch, blocks)
+        sch, blocks = found
         threads = min(self.threads, int(target.attrs.get("max_num_threads", self.threads)))
         for info in blocks:
             block = info.block_rv
