@@ -82,10 +82,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed,
                       runner=runner):
             rows.append((kernel.name, r.name, r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
-    n = export_log(work_dir, log_dir)
+    print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
+    exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all)
     print()
     _table(["suite kernel", "task", "records", "best us", "status"], rows)
-    print(f"\nbest record of {n} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
+    print()
+    _table(["kernel stages", "tuned us", "default us", "in the log"],
+           [(r.kernel, _us(r.tuned_us), _us(r.default_us), "yes" if r.kept else "no: default is as fast")
+            for r in exported])
+    print(f"\n{sum(r.kept for r in exported)} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1
 
 
@@ -122,6 +127,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     print(f"wrote {args.output} ({os.path.getsize(args.output)} bytes); load it with "
           f"tvm.runtime.load_module and run it with relax.VirtualMachine")
     return 0
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def _table(head, rows) -> None:
@@ -191,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--rpc", metavar="HOST:PORT",
                     help="measure on remote devices through this TVM RPC tracker (python -m tvm.exec.rpc_tracker)")
     tu.add_argument("--key", help="with --rpc: the device key the RPC servers registered with (--key of rpc_server)")
+    tu.add_argument("--keep-all", action="store_true",
+                    help="put every kernel's best record in the log; by default a record is re-measured against "
+                         "the kernel's default schedule and left out unless it is faster")
     tu.add_argument("--scale", default="full", choices=["full", "small"],
                     help="suite shapes (default full, the benchmark's; small: a quick check)")
     tu.set_defaults(func=_cmd_tune)

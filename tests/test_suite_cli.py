@@ -104,7 +104,7 @@ def cli_tuned(tmp_path_factory):
     """``rlx-tvm tune`` on one small suite kernel, a handful of trials."""
     root = tmp_path_factory.mktemp("cli")
     work, log = root / "work", root / "log"
-    rc = cli.main(["tune", "--kernels", "rms_norm_backward", "--scale", "small", "--trials", "8",
+    rc = cli.main(["tune", "--kernels", "rms_norm_backward", "--scale", "small", "--trials", "8", "--keep-all",
                    "--work-dir", str(work), "--log-dir", str(log)])
     return rc, work, log
 
@@ -115,7 +115,17 @@ def test_cli_tune_writes_a_pruned_log(cli_tuned, capsys):
     full = build.load_tuning_log(str(work)).get_all_tuning_records()
     best = build.load_tuning_log(str(log)).get_all_tuning_records()
     assert len(full) > len(best) == 2  # rms_norm_backward: the dx and dgamma kernels, one record each
-    assert export_log(str(work), str(log)) == 2  # re-export replaces, does not append
+
+
+def test_export_keeps_only_records_faster_than_the_default_schedule(cli_tuned, tmp_path):
+    _, work, _ = cli_tuned
+    rows = export_log(str(work), str(tmp_path), cpu_target(), verbose=False)
+    assert len(rows) == 2 and all(r.tuned_us > 0 and r.default_us > 0 for r in rows)
+    assert all(r.kept == (r.tuned_us < r.default_us) for r in rows)
+    assert len(build.load_tuning_log(str(tmp_path)).get_all_tuning_records()) == sum(r.kept for r in rows)
+    rows = export_log(str(work), str(tmp_path), cpu_target(), compare_default=False, verbose=False)  # replaces
+    assert [r.kept for r in rows] == [True, True] and all(r.tuned_us is None for r in rows)
+    assert len(build.load_tuning_log(str(tmp_path)).get_all_tuning_records()) == 2
 
 
 def test_compiled_log_is_applied_and_correct(cli_tuned, tmp_path, capsys):

@@ -100,6 +100,7 @@ def _lowers_for(func: tirx.PrimFunc, target: Target) -> bool:
 def schedule_gpu(mod: tvm.IRModule, target: Target) -> tuple[tvm.IRModule, dict[str, str]]:
     """Schedule every unscheduled PrimFunc of ``mod`` for the GPU ``target``; returns the module
     and, per kernel, the rule that scheduled it."""
+    mod = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)  # the caller's module stays as it was
     chosen: dict[str, str] = {}
     updates = {}
     for gv, func in mod.functions.items():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune", "tuning_target"]
+__all__ = ["ExportRow", "TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune", "tuning_target"]
 
 
 def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
@@ -205,20 +205,82 @@ def tune(
     return results
 
 
-def export_log(work_dir: str, log_dir: str) -> int:
+@dataclass
+class ExportRow:
+    kernel: str  # the kernel's stage names
+    tuned_us: float | None  # re-measured at export (None: not measurable here, e.g. a GPU target)
+    default_us: float | None
+    kept: bool
+
+
+def _kernel_label(mod: tvm.IRModule) -> str:
+    sch = tvm.s_tir.Schedule(mod)
+    return "/".join(sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root")))
+
+
+def _time_us(mods: list[tvm.IRModule], target: tvm.target.Target, rounds: int = 5) -> list[float]:
+    """Median latency of each PrimFunc module on the same random inputs, rounds interleaved."""
+    import numpy as np
+
+    func = mods[0]["main"]
+    rng = np.random.default_rng(0)
+    args = []
+    for info in ms.arg_info.ArgInfo.from_prim_func(func):
+        shape, dtype = [int(d) for d in info.shape], str(info.dtype)
+        data = rng.standard_normal(shape).astype(dtype) if "float" in dtype else np.zeros(shape, dtype)
+        args.append(tvm.runtime.tensor(data))
+    timers = [tvm.compile(m, target=target).mod.time_evaluator("main", tvm.cpu(), number=1, repeat=1, min_repeat_ms=50)
+              for m in mods]
+    samples = [[] for _ in mods]
+    for _ in range(rounds):
+        for i, timer in enumerate(timers):
+            samples[i].append(timer(*args).mean)
+    return [float(np.median(x)) * 1e6 for x in samples]
+
+
+def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = None,
+               compare_default: bool = True, verbose: bool = True) -> list[ExportRow]:
     """Write the best record of every kernel in ``work_dir``'s database to ``log_dir`` (MetaSchedule's
-    own pruning, ``Database.dump_pruned``); returns the number of kernels. This is what gets
-    committed: the full search history stays in ``work_dir``."""
+    own pruning, ``Database.dump_pruned``): the tuning log that gets committed, while the full
+    search history stays in ``work_dir``. With ``compare_default`` on a CPU target, each best record
+    is re-measured against the kernel's default schedule (same inputs, interleaved) and kept only if
+    it is faster, so that the log does not make a kernel slower than no log."""
+    import tempfile
+
     from ..build import load_tuning_log
+    from .cpu import default_cpu_rules
 
     src = load_tuning_log(work_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        pruned = ms.database.JSONDatabase(work_dir=tmp)
+        src.dump_pruned(pruned)
+        records = pruned.get_all_tuning_records()
     os.makedirs(log_dir, exist_ok=True)
     for f in ("database_workload.json", "database_tuning_record.json"):  # replace, not append
         if os.path.exists(os.path.join(log_dir, f)):
             os.remove(os.path.join(log_dir, f))
     dst = ms.database.JSONDatabase(work_dir=log_dir)
-    src.dump_pruned(dst)
-    return len(load_tuning_log(log_dir).get_all_tuning_records())
+    rows = []
+    for i, rec in enumerate(records):
+        mod, rec_target = rec.workload.mod, target or rec.target
+        tuned_us = default_us = None
+        measurable = rec_target.kind.name == "llvm" and rec.run_secs and float(rec.run_secs[0]) < 1e9
+        if compare_default and measurable:
+            sch = tvm.s_tir.Schedule(mod)
+            rec.trace.apply_to_schedule(sch, remove_postproc=False)
+            with rec_target:  # on a copy: ApplyDefaultSchedule updates the module it is given in place
+                default = tvm.s_tir.dlight.ApplyDefaultSchedule(*default_cpu_rules())(tvm.IRModule({"main": mod["main"]}))
+            tuned_us, default_us = _time_us([sch.mod, default], rec_target)
+        kept = tuned_us is None or tuned_us < default_us
+        if kept:
+            dst.commit_tuning_record(ms.database.TuningRecord(
+                rec.trace, dst.commit_workload(mod), rec.run_secs, rec.target, rec.args_info))
+        rows.append(ExportRow(_kernel_label(mod), tuned_us, default_us, kept))
+        if verbose:
+            r = rows[-1]
+            print(f"[{i + 1}/{len(records)}] {r.kernel}: tuned {_fmt(r.tuned_us)}, default {_fmt(r.default_us)}"
+                  f" -> {'kept' if kept else 'dropped (default schedule is as fast)'}", flush=True)
+    return rows
 
 
 def _fmt(us: float | None) -> str:
