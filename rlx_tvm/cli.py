@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
     tr.add_argument("--report-every", type=int, default=25, help="print a table row every N steps (default 25)")
     tr.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter dtype")
-    tr.add_argument("--target", default="llvm", help="TVM target (default: llvm, the local CPU)")
+    tr.add_argument("--target", default="local", help="TVM target (default: local, this CPU with the committed tuning log)")
     tr.set_defaults(func=_cmd_train)
 
     target_help = ("TVM target; 'local' (default) is this machine's CPU with explicit mcpu and core count, "

@@ -2,8 +2,8 @@
 
 The forward graph is ordinary Relax (``take`` embedding, ``rms_norm``, ``rlx.rope``, causal
 ``nn.attention``, a ``gelu`` MLP, ``rlx.softmax_cross_entropy``). ``rlx_tvm.autodiff.grad`` turns it
-into a training graph whose backward pass is made of rlx backward ops; ``tvm.compile`` lowers those to
-their fused kernels. The task is synthetic and learnable: predict the next token of sequences that
+into a training graph whose backward pass is made of rlx backward ops; ``rlx_tvm.compile`` lowers those
+to their fused kernels with the default CPU schedules (and tuned ones where the committed log matches). The task is synthetic and learnable: predict the next token of sequences that
 repeat a short random pattern.
 """
 
@@ -17,8 +17,10 @@ import tvm
 from tvm import relax
 
 from .. import autodiff
+from ..build import compile as rlx_compile
 from ..ops import rope, softmax_cross_entropy
 from ..passes import count_rlx_calls
+from ..schedules.tune import cpu_target
 
 
 @dataclass(frozen=True)
@@ -114,11 +116,14 @@ def synthetic_batch(c: Config, rng: np.random.Generator) -> tuple[np.ndarray, np
 class Trainer:
     """Compiles the training step once; ``step`` runs forward + backward and applies SGD."""
 
-    def __init__(self, c: Config, target: str = "llvm", seed: int = 0):
+    def __init__(self, c: Config, target="local", seed: int = 0):
         self.c = c
         self.train_mod = autodiff.grad(build_forward(c), "main", wrt=list(PARAMS))
         self.rlx_ops = count_rlx_calls(self.train_mod)
-        self.vm = relax.VirtualMachine(tvm.compile(self.train_mod, target=target), tvm.cpu())
+        # rlx_tvm.compile: default CPU schedules, plus the committed tuning log of this CPU where it
+        # has records for these shapes (it says how many kernels it matched)
+        target = cpu_target() if target in (None, "local") else target
+        self.vm = relax.VirtualMachine(rlx_compile(self.train_mod, target), tvm.cpu())
         self.params = init_params(c, seed)
         self.cos, self.sin = rope_tables(c)
         self.rng = np.random.default_rng(seed + 1)
@@ -137,7 +142,7 @@ class Trainer:
         return loss
 
 
-def train(steps: int = 300, lr: float = 0.5, report_every: int = 25, target: str = "llvm", c: Config | None = None) -> list[float]:
+def train(steps: int = 300, lr: float = 0.5, report_every: int = 25, target="local", c: Config | None = None) -> list[float]:
     """Train and print the loss curve as a table; returns the per-step losses."""
     c = c or Config()
     t0 = time.perf_counter()
