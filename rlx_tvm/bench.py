@@ -244,6 +244,21 @@ def format_table(report: dict) -> str:
     return "\n".join(out)
 
 
+def format_markdown(report: dict) -> str:
+    """The table as Markdown (what the README quotes)."""
+    best = report["compared"]
+    lines = [f"| kernel | tuned ms | default ms | TVM untuned ms | PyTorch ms | {best} / PyTorch | TVM / {best} | rate |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in report["kernels"]:
+        ms = k["ms"]
+        rate, unit = k["rate"]
+        times = " | ".join(f"{ms[v]:.2f}" if v in ms else "-" for v in VARIANTS)
+        vs_torch = f"{ms[best] / ms['torch']:.2f}" if "torch" in ms else "-"
+        pct = f" ({100 * rate / report['copy_gbps']:.0f}% of copy)" if unit == "GB/s" else ""
+        lines.append(f"| {k['name']} | {times} | {vs_torch} | {ms['tvm'] / ms[best]:.1f}x | {rate:.1f} {unit}{pct} |")
+    return "\n".join(lines)
+
+
 def write_json(report: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

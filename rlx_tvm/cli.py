@@ -95,7 +95,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import format_table, run_bench, write_json
+    from .bench import format_markdown, format_table, run_bench, write_json
 
     report = run_bench(_kernel_names(args.kernels), repeats=args.repeats, min_ms=args.min_ms, threads=args.threads,
                        tuning_log=args.tuning_log or "auto", use_torch=not args.no_torch, scale=args.scale,
@@ -105,6 +105,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report, args.json)
         print(f"\nresults written to {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(format_markdown(report) + "\n")
+        print(f"Markdown table written to {args.markdown}")
     return 0
 
 
@@ -224,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-torch", action="store_true", help="leave PyTorch out even when installed")
     be.add_argument("--scale", default="full", choices=["full", "small"], help="suite shapes (small: a quick check)")
     be.add_argument("--json", help="write the results as JSON to this file")
+    be.add_argument("--markdown", help="write the table as Markdown to this file")
     be.set_defaults(func=_cmd_bench)
 
     co = sub.add_parser(

@@ -105,6 +105,9 @@ CASES = [
               kernel_size=3, stride=1, padding=1),
     pool_case("rect kernel, dilation, 4-tuple padding", _distinct(3, 1, 9, 8), kernel_size=(2, 3), stride=(2, 1),
               padding=(1, 0, 0, 1), dilation=(2, 1)),
+    # dilated windows visited by window, not by tap (k3 d2 s3: 2x2 candidate windows < 9 taps), ceil_mode
+    pool_case("k3 s3 d2 p1 ceil_mode", _distinct(1, 2, 11, 10), kernel_size=3, stride=3, padding=1, dilation=2,
+              ceil_mode=True),
     pool_case("ties: rounded input", np.round(RNG.standard_normal((2, 2, 6, 6))), fd=False,
               kernel_size=3, stride=2, padding=1),
 ]

@@ -179,22 +179,44 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
 
         return te.compute((n, c, ho, wo), first, name="first_argmax")
 
+    # Windows that can hold a given input row: the ``ry`` windows ending at or before it (span
+    # ``(kh-1)*dh + 1``, step ``sh``). Visiting those instead of the ``kh`` taps is cheaper whenever
+    # windows overlap little (k3 s2: 2 instead of 3 per axis) and needs no stride-divisibility test.
+    ry, rx = -(-span(kh, dh) // sh), -(-span(kw, dw) // sw)
+    by_window = ry * rx < kh * kw
+
     def gather_kernel(winner: te.Tensor, dyt: te.Tensor):
         n, c = dyt.shape[:2]
-        i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")
 
-        def gather(b, ch, y, xx):
-            # Window (oy, ox) holds input (y, x) as its tap (i, j) iff y + pt = oy*s + i*d.
-            ty, tx = y + pt - i * dh, xx + pl - j * dw
-            oy, ox = tirx.floordiv(ty, sh), tirx.floordiv(tx, sw)
-            hit = tirx.all(
-                tirx.floormod(ty, sh) == 0, tirx.floormod(tx, sw) == 0,
-                ty >= 0, tx >= 0, oy < ho, ox < wo,
-            )
+        def pick(b, ch, oy, ox, i, j, hit):
             # Clamped reads stay in bounds even where TIR evaluates them before knowing ``hit``.
             oy, ox = tirx.max(tirx.min(oy, ho - 1), 0), tirx.max(tirx.min(ox, wo - 1), 0)
             mine = tirx.all(hit, winner[b, ch, oy, ox] == (i * kw + j).astype("int32"))
-            return te.sum(tirx.Select(mine, dyt[b, ch, oy, ox].astype(acc), tirx.const(0, acc)), axis=[i, j])
+            return tirx.Select(mine, dyt[b, ch, oy, ox].astype(acc), tirx.const(0, acc))
+
+        if by_window:
+            r, q = te.reduce_axis((0, ry), name="r"), te.reduce_axis((0, rx), name="q")
+
+            def gather(b, ch, y, xx):
+                # Window oy starts at oy*s - p <= y; the input is its tap (y + p - oy*s) / d.
+                oy, ox = tirx.floordiv(y + pt, sh) - r, tirx.floordiv(xx + pl, sw) - q
+                ty, tx = y + pt - oy * sh, xx + pl - ox * sw  # >= 0 by construction
+                i, j = tirx.floordiv(ty, dh), tirx.floordiv(tx, dw)
+                hit = tirx.all(oy >= 0, ox >= 0, oy < ho, ox < wo, i < kh, j < kw,
+                               tirx.floormod(ty, dh) == 0, tirx.floormod(tx, dw) == 0)
+                return te.sum(pick(b, ch, oy, ox, i, j, hit), axis=[r, q])
+        else:
+            i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")
+
+            def gather(b, ch, y, xx):
+                # Window (oy, ox) holds input (y, x) as its tap (i, j) iff y + pt = oy*s + i*d.
+                ty, tx = y + pt - i * dh, xx + pl - j * dw
+                oy, ox = tirx.floordiv(ty, sh), tirx.floordiv(tx, sw)
+                hit = tirx.all(
+                    tirx.floormod(ty, sh) == 0, tirx.floormod(tx, sw) == 0,
+                    ty >= 0, tx >= 0, oy < ho, ox < wo,
+                )
+                return te.sum(pick(b, ch, oy, ox, i, j, hit), axis=[i, j])
 
         total = te.compute((n, c, h, w), gather, name="max_pool2d_dx_acc")
         if acc == dtype:
