@@ -97,13 +97,10 @@ def _copy_bandwidth(min_ms: float, repeats: int, n: int = 8 << 20) -> float:
     return 2 * n * 4 / (ms / 1e3) / 1e9
 
 
-_TARGET = None
-
-
 def _target():
     from .schedules.tune import cpu_target
 
-    return _TARGET or cpu_target()
+    return cpu_target()
 
 
 def _torch_runner(kernel, inputs):

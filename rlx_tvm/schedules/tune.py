@@ -9,11 +9,13 @@ What stock MetaSchedule trips over here (see TVM_NOTES), and what this module do
 * one task's design-space error aborts a whole ``tune_tasks``: each task is tuned on its own, and a
   failure is reported and skipped;
 * XGBoost scores are random until ``num_warmup_samples`` measurements exist (default 100): lowered
-  to 16 so that small budgets search with the model.
-
+  to 16 so that small budgets search with the model;
 * TVM's CPU thread pool halves ``hardware_concurrency`` on x86 (it assumes hyper-threads): on a
   2-vCPU machine candidates would be measured on one thread. ``TVM_NUM_THREADS`` is set to the
-  target's ``num-cores`` for the runner's workers unless the caller set it.
+  target's ``num-cores`` for the runner's workers unless the caller set it;
+* GPU targets (CUDA, Metal, Vulkan) need ``max_threads_per_block`` and shared-memory limits that
+  plain targets lack: :func:`tuning_target` fills them in. Without a device here candidates are
+  generated and built but not measured; :func:`rpc_runner` measures on remote devices.
 
 Records go to MetaSchedule's own ``JSONDatabase`` in ``work_dir``; running again with the same
 ``work_dir`` resumes: tasks that already hold ``trials`` records are skipped, the others continue.
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["ExportRow", "TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune", "tuning_target"]
+__all__ = ["ExportRow", "TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune",
+           "tuning_target"]
 
 
 def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
