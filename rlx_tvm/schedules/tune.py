@@ -25,6 +25,7 @@ Records go to MetaSchedule's own ``JSONDatabase`` in ``work_dir``; running again
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -181,6 +182,7 @@ def tune(
                 print(f"{label}: {len(done)} records already, best {_fmt(best)}", flush=True)
             continue
         start = time.time()
+        _drop_unnamed_log_handlers()
         errors = []
         for how, space in _spaces(target):
             try:
@@ -239,6 +241,16 @@ def _time_us(mods: list[tvm.IRModule], target: tvm.target.Target, rounds: int = 
         for i, timer in enumerate(timers):
             samples[i].append(timer(*args).mean)
     return [float(np.median(x)) * 1e6 for x in samples]
+
+
+def _drop_unnamed_log_handlers() -> None:
+    """``tune_tir`` re-lists the handlers of the ``tvm.s_tir.meta_schedule`` logger by name in a
+    ``logging.config.dictConfig``; one added without a name (seen under pytest, after earlier
+    tuning runs in the process) makes it fail with ``'NoneType' object has no attribute 'format'``."""
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in list(logger.handlers):
+        if handler.get_name() is None:
+            logger.removeHandler(handler)
 
 
 def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = None,
