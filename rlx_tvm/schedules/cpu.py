@@ -67,6 +67,26 @@ class ParallelFallback(CPUScheduleRule):
             sch.parallel(fused)
 
 
+class RowReduction(dl.cpu.Reduction):
+    """dlight's CPU reduction rule, declined for kernels with a full reduction to a scalar (e.g.
+    fake-quantize's ``max|x|``): it would put that reduction under the consumer's parallel row loop,
+    recomputing it once per row (seconds at 8M elements) with every thread writing the same scalar."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if isinstance(func, tirx.PrimFunc) and _has_full_reduction(func):
+            return None
+        return super().apply(func, target, tunable)
+
+
+def _has_full_reduction(func: tirx.PrimFunc) -> bool:
+    sch = s_tir.Schedule(func)
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        iters = sch.get(block).iter_vars
+        if iters and all(iv.iter_type != tirx.IterVar.DataPar for iv in iters):
+            return True
+    return False
+
+
 def default_cpu_rules() -> list:
     """Rules in priority order: dlight's specialised CPU rules first, our fallback last."""
-    return [dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelFallback()]
+    return [dl.cpu.GEMV(), RowReduction(), ParallelFallback()]

@@ -35,6 +35,7 @@ class SuiteKernel:
     torch: Callable[..., tuple]
     tvm: Callable[..., tuple] | None = None
     flops: Callable[[dict], float] | None = None  # shapes -> useful flops (compute-bound kernels)
+    shape_only: tuple[str, ...] = ()  # inputs that only give a shape (not read: no memory traffic)
 
     def inputs(self, scale: str = "full", seed: int = 0) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -49,7 +50,8 @@ class SuiteKernel:
         return out
 
     def bytes_moved(self, inputs: dict[str, np.ndarray], outputs) -> int:
-        return sum(a.nbytes for a in inputs.values()) + sum(int(np.prod(o.shape)) * 4 for o in outputs)
+        read = sum(a.nbytes for n, a in inputs.items() if n not in self.shape_only)
+        return read + sum(int(np.prod(o.shape)) * 4 for o in outputs)
 
 
 def _shape_table(**by_scale):
@@ -294,7 +296,8 @@ GATHER = _register(SuiteKernel(
     lambda table, indices, dy: (ops.gather_backward(dy, indices, axis=0,
                                                     dim_size=_dims(table)[0]),),
     _gather_torch,
-    tvm=lambda table, indices, dy: (relax.op.grad.take_backward(dy, table, indices, axis=0),)))
+    tvm=lambda table, indices, dy: (relax.op.grad.take_backward(dy, table, indices, axis=0),),
+    shape_only=("table",)))
 
 
 # ------------------------------------------------------------------------------------------------
