@@ -80,7 +80,11 @@ class RowReduction(dl.cpu.Reduction):
 
 def _has_full_reduction(func: tirx.PrimFunc) -> bool:
     sch = s_tir.Schedule(func)
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
+    try:
+        root = sch.get_sblock("root")
+    except s_tir.ScheduleError:  # hand-written TIR (e.g. TOPI's scatter) has no root block
+        return False
+    for block in sch.get_child_blocks(root):
         iters = sch.get(block).iter_vars
         if iters and all(iv.iter_type != tirx.IterVar.DataPar for iv in iters):
             return True

@@ -220,7 +220,10 @@ class ExportRow:
 
 def _kernel_label(mod: tvm.IRModule) -> str:
     sch = tvm.s_tir.Schedule(mod)
-    return "/".join(sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root")))
+    try:
+        return "/".join(sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root")))
+    except tvm.s_tir.ScheduleError:  # hand-written TIR without a root block
+        return str(mod["main"].attrs.get("global_symbol", "main")) if mod["main"].attrs else "main"
 
 
 def _time_us(mods: list[tvm.IRModule], target: tvm.target.Target, rounds: int = 5) -> list[float]:
