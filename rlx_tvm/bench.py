@@ -68,17 +68,11 @@ def _tvm_runner(ex, args):
     import tvm
     from tvm import relax
 
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    main = vm["main"]
-    return (lambda: main(*args)), vm
+    main = relax.VirtualMachine(ex, tvm.cpu())["main"]
+    return lambda: main(*args)
 
 
-def _outputs(vm, args) -> list[np.ndarray]:
-    out = vm["main"](*args)
-    return [o.numpy() for o in out]
-
-
-def _copy_bandwidth(min_ms: float, repeats: int, n: int = 24 << 20) -> float:
+def _copy_bandwidth(target, min_ms: float, repeats: int, n: int = 24 << 20) -> float:
     """GB/s of a parallel, vectorized float32 copy of ``n`` elements (read + write); 96 MiB a side by
     default, past the last-level cache, like the memory-bound suite kernels (3 x 32 MiB)."""
     import tvm
@@ -91,18 +85,12 @@ def _copy_bandwidth(min_ms: float, repeats: int, n: int = 24 << 20) -> float:
     sch.parallel(i)
     _, lanes = sch.split(j, factors=[None, 16])  # one 512-bit vector (a 1024-wide one spills)
     sch.vectorize(lanes)
-    f = tvm.compile(sch.mod, target=_target())
+    f = tvm.compile(sch.mod, target=target)
     x = tvm.runtime.tensor(np.ones((n // 1024, 1024), "float32"))
     y = tvm.runtime.empty((n // 1024, 1024), "float32")
     timer = _calibrated(lambda: f(x, y), min_ms)
     ms = statistics.median(timer() for _ in range(repeats))
     return 2 * n * 4 / (ms / 1e3) / 1e9
-
-
-def _target():
-    from .schedules.tune import cpu_target
-
-    return cpu_target()
 
 
 def _torch_runner(kernel, inputs):
@@ -132,6 +120,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
     from . import build
     from .passes import DecomposeBackwardOps
     from .schedules.suite import flops_of, suite_kernels, suite_module
+    from .schedules.tune import cpu_target
     from .testing import as_tensors
 
     torch = None
@@ -142,15 +131,16 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
             progress("torch is not installed: no PyTorch column (pip install -e '.[torch]')")
     if torch is not None:
         torch.set_num_threads(threads)
-    target = _target()
+    target = cpu_target()
     log = build.tuning_log_for(target) if tuning_log == "auto" else tuning_log
     if log is None:
         progress(f"no tuning log for {build.target_key(target)}: the 'tuned' column is left out")
 
     progress(f"copy bandwidth ({threads} threads) ...")
-    copy_gbps = _copy_bandwidth(min_ms, repeats)
+    copy_gbps = _copy_bandwidth(target, min_ms, repeats)
     results = []
-    for i, kernel in enumerate(suite_kernels(kernels)):
+    selected = suite_kernels(kernels)
+    for i, kernel in enumerate(selected):
         t0 = time.time()
         inputs = kernel.inputs(scale)
         args = as_tensors(inputs.values())
@@ -166,8 +156,8 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
         exes["tvm"] = tvm.compile(base, target=target)
         runners, outs = {}, {}
         for name, ex in exes.items():
-            runners[name], vm = _tvm_runner(ex, args)
-            outs[name] = _outputs(vm, args)
+            runners[name] = _tvm_runner(ex, args)
+            outs[name] = [o.numpy() for o in runners[name]()]
         ref = outs["default"]
         res.bytes = kernel.bytes_moved(inputs, ref)
         res.max_rel_diff = max(
@@ -181,7 +171,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
                 samples[name].append(timer())
         res.ms = {name: statistics.median(v) for name, v in samples.items()}
         results.append(res)
-        progress(f"[{i + 1}/{len(suite_kernels(kernels))}] {kernel.name}: "
+        progress(f"[{i + 1}/{len(selected)}] {kernel.name}: "
                  + ", ".join(f"{n} {ms:.3f} ms" for n, ms in res.ms.items()) + f"  ({time.time() - t0:.0f} s)")
     return _report(results, copy_gbps, threads, target, log, repeats)
 

@@ -3,8 +3,9 @@
 The forward graph is ordinary Relax (``take`` embedding, ``rms_norm``, ``rlx.rope``, causal
 ``nn.attention``, a ``gelu`` MLP, ``rlx.softmax_cross_entropy``). ``rlx_tvm.autodiff.grad`` turns it
 into a training graph whose backward pass is made of rlx backward ops; ``rlx_tvm.compile`` lowers those
-to their fused kernels with the default CPU schedules (and tuned ones where the committed log matches). The task is synthetic and learnable: predict the next token of sequences that
-repeat a short random pattern.
+to their fused kernels with the default CPU schedules (and tuned ones where the committed log
+matches). The task is synthetic and learnable: predict the next token of sequences that repeat a
+short random pattern.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
-from .common import inlined_blocks
+from .common import inlined_blocks, root_blocks
 
 __all__ = ["ParallelFallback", "default_cpu_rules"]
 
@@ -36,9 +36,7 @@ class ParallelFallback(CPUScheduleRule):
         self.min_parallel_extent = min_parallel_extent
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        found = inlined_blocks(func)
+        found = inlined_blocks(self, func, target)
         if found is None:
             return None
         sch, blocks = found
@@ -80,11 +78,7 @@ class RowReduction(dl.cpu.Reduction):
 
 def _has_full_reduction(func: tirx.PrimFunc) -> bool:
     sch = s_tir.Schedule(func)
-    try:
-        root = sch.get_sblock("root")
-    except s_tir.ScheduleError:  # hand-written TIR (e.g. TOPI's scatter) has no root block
-        return False
-    for block in sch.get_child_blocks(root):
+    for block in root_blocks(sch):
         iters = sch.get(block).iter_vars
         if iters and all(iv.iter_type != tirx.IterVar.DataPar for iv in iters):
             return True

@@ -37,9 +37,7 @@ class ThreadPerOutput(GPUScheduleRule):
         self.threads = threads
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        found = inlined_blocks(func)
+        found = inlined_blocks(self, func, target)
         if found is None:
             return None
         sch, blocks = found

@@ -57,14 +57,16 @@ def tuning_target(target) -> tvm.target.Target:
     """``target`` with what MetaSchedule's GPU rules require filled in: ``max_threads_per_block``
     (from ``max_num_threads``) and ``max_shared_memory_per_block`` (48 KiB CUDA, 32 KiB Metal,
     16 KiB otherwise) when the target does not give them; and a host for device code."""
-    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
+    from ..build import _as_target  # adds the llvm host
+
+    target = _as_target(target)
     if "gpu" not in target.keys:
         return target
     config = dict(target.export())
     config.setdefault("max_threads_per_block", int(config.get("max_num_threads", 256)))
     config.setdefault("max_shared_memory_per_block", {"cuda": 49152, "metal": 32768}.get(target.kind.name, 16384))
     config.pop("host", None)
-    return tvm.target.Target(config, host=target.host or tvm.target.Target("llvm"))
+    return tvm.target.Target(config, host=target.host)
 
 
 def _spaces(target: tvm.target.Target) -> list[tuple[str, ms.space_generator.PostOrderApply]]:
@@ -219,11 +221,10 @@ class ExportRow:
 
 
 def _kernel_label(mod: tvm.IRModule) -> str:
+    from .common import root_blocks
+
     sch = tvm.s_tir.Schedule(mod)
-    try:
-        return "/".join(sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root")))
-    except tvm.s_tir.ScheduleError:  # hand-written TIR without a root block
-        return str(mod["main"].attrs.get("global_symbol", "main")) if mod["main"].attrs else "main"
+    return "/".join(sch.get(b).name_hint for b in root_blocks(sch)) or "main"  # hand-written TIR: no blocks
 
 
 def _time_us(mods: list[tvm.IRModule], target: tvm.target.Target, rounds: int = 5) -> list[float]:
