@@ -35,7 +35,7 @@ from tvm import relax, te, tirx
 from tvm.relax.op.grad import no_grad
 from tvm.sym import Analyzer
 
-from ._math import acc_dtype, tensor_dtype
+from ._math import acc_dtype, tensor_dtype, tir_exp, tir_tanh
 from .registry import Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape
 
 CAUSAL_MASKS = ("TopLeft", "BottomRight")
@@ -321,7 +321,7 @@ class _TeAttention:
         self.l = te.compute(
             (self.b, self.h, self.sq),
             lambda b, h, i: te.sum(
-                self.where_visible(i, rj, tirx.exp(self.logit(b, h, i, rj) - self.m(b, h, i)), self.zero), axis=rj
+                self.where_visible(i, rj, tir_exp(self.logit(b, h, i, rj) - self.m(b, h, i)), self.zero), axis=rj
             ),
             name="row_sum",
         )
@@ -355,7 +355,7 @@ class _TeAttention:
     def logit(self, b, h, i, j):
         s = self.raw(b, h, i, j)
         if self.softcap is not None:
-            s = self.softcap * tirx.tanh(s / self.softcap)
+            s = self.softcap * tir_tanh(s / self.softcap)
         if self.bias is not None:
             s = s + self.bias_at(b, h, i, j)
         return s
@@ -368,11 +368,11 @@ class _TeAttention:
     def prob(self, b, h, i, j):
         # l == 0 only on a fully masked row, where every entry is masked anyway.
         den = tirx.Select(self.l(b, h, i) > self.zero, self.l(b, h, i), tirx.const(1.0, self.acc))
-        p = tirx.exp(self.logit(b, h, i, j) - self.m(b, h, i)) / den
+        p = tir_exp(self.logit(b, h, i, j) - self.m(b, h, i)) / den
         return self.where_visible(i, j, p, self.zero)
 
     def softcap_grad(self, b, h, i, j):
-        t = tirx.tanh(self.raw(b, h, i, j) / self.softcap)
+        t = tir_tanh(self.raw(b, h, i, j) / self.softcap)
         return tirx.const(1.0, self.acc) - t * t
 
     def output(self, t):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax, te, tirx
 
-from ._math import acc_dtype, tensor_dtype
+from ._math import acc_dtype, tensor_dtype, tir_exp
 from .indexing import constant_array
 from .registry import INT_DTYPES, Attr, check_float, check_int, define_op, fmt_shape
 
@@ -133,7 +133,7 @@ def _row_stats(z, acc):
     row_max = te.compute((n,), lambda i: te.max(z[i, k].astype(acc), axis=k), name="row_max")
     k2 = te.reduce_axis((0, c), name="k2")
     row_sum = te.compute(
-        (n,), lambda i: te.sum(tirx.exp(z[i, k2].astype(acc) - row_max[i]), axis=k2), name="row_sum_exp"
+        (n,), lambda i: te.sum(tir_exp(z[i, k2].astype(acc) - row_max[i]), axis=k2), name="row_sum_exp"
     )
     return row_max, row_sum
 
@@ -242,7 +242,7 @@ def _sce_backward_fused(bb, logits, labels, d_loss, *, ignore_index=-100, label_
 
         def grad(i, j):
             label = lab[i].astype("int64")
-            p = tirx.exp(z[i, j].astype(acc) - row_max[i]) / row_sum[i]
+            p = tir_exp(z[i, j].astype(acc) - row_max[i]) / row_sum[i]
             hit = tirx.Select(label == j, tirx.const(1.0 - ls, acc), tirx.const(0.0, acc))
             target = hit + tirx.const(ls, acc) / c.astype(acc) if ls else hit
             scale = (dl[i] if per_row else dl()).astype(acc)
