@@ -83,12 +83,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                       runner=runner):
             rows.append((kernel.name, r.name, r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
     print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
-    exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all)
+    exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all,
+                          kernels=suite_ir_module(scale=args.scale))
     print()
     _table(["suite kernel", "task", "records", "best us", "status"], rows)
     print()
     _table(["kernel stages", "tuned us", "default us", "in the log"],
-           [(r.kernel, _us(r.tuned_us), _us(r.default_us), "yes" if r.kept else "no: default is as fast")
+           [(r.kernel, _us(r.tuned_us), _us(r.default_us),
+             "yes" if r.kept else "no: stale (kernel changed)" if r.stale else "no: default is as fast")
             for r in exported])
     print(f"\n{sum(r.kept for r in exported)} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1

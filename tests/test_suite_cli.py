@@ -127,6 +127,18 @@ def test_export_keeps_only_records_faster_than_the_default_schedule(cli_tuned, t
     assert len(build.load_tuning_log(str(tmp_path)).get_all_tuning_records()) == 2
 
 
+def test_export_drops_records_of_kernels_that_changed(cli_tuned, tmp_path):
+    _, work, _ = cli_tuned
+    same = export_log(str(work), str(tmp_path / "same"), cpu_target(), compare_default=False, verbose=False,
+                      kernels=suite_module(suite_kernel("rms_norm_backward"), "small"))
+    assert [(r.kept, r.stale) for r in same] == [(True, False)] * 2
+    # The same kernels at other shapes stand for kernels whose TensorIR changed since tuning.
+    other = export_log(str(work), str(tmp_path / "other"), cpu_target(), compare_default=False, verbose=False,
+                       kernels=suite_module(suite_kernel("rms_norm_backward"), "full"))
+    assert [(r.kept, r.stale) for r in other] == [(False, True)] * 2
+    assert build.load_tuning_log(str(tmp_path / "other")).get_all_tuning_records() == []
+
+
 def test_compiled_log_is_applied_and_correct(cli_tuned, tmp_path, capsys):
     _, _, log = cli_tuned
     k = suite_kernel("rms_norm_backward")

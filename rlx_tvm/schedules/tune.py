@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
 __all__ = ["ExportRow", "TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune",
@@ -218,6 +219,7 @@ class ExportRow:
     tuned_us: float | None  # re-measured at export (None: not measurable here, e.g. a GPU target)
     default_us: float | None
     kept: bool
+    stale: bool = False  # no current kernel has this workload any more
 
 
 def _kernel_label(mod: tvm.IRModule) -> str:
@@ -258,12 +260,15 @@ def _drop_unnamed_log_handlers() -> None:
 
 
 def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = None,
-               compare_default: bool = True, verbose: bool = True) -> list[ExportRow]:
+               compare_default: bool = True, verbose: bool = True,
+               kernels: tvm.IRModule | None = None) -> list[ExportRow]:
     """Write the best record of every kernel in ``work_dir``'s database to ``log_dir`` (MetaSchedule's
     own pruning, ``Database.dump_pruned``): the tuning log that gets committed, while the full
     search history stays in ``work_dir``. With ``compare_default`` on a CPU target, each best record
     is re-measured against the kernel's default schedule (same inputs, interleaved) and kept only if
-    it is faster, so that the log does not make a kernel slower than no log."""
+    it is faster, so that the log does not make a kernel slower than no log. With ``kernels`` (a
+    Relax module, e.g. the suite's), records of workloads that are not among its kernels are left
+    out: they are stale, tuned before the kernel's TensorIR changed, and can never match again."""
     import tempfile
 
     from ..build import load_tuning_log
@@ -279,9 +284,15 @@ def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = N
         if os.path.exists(os.path.join(log_dir, f)):
             os.remove(os.path.join(log_dir, f))
     dst = ms.database.JSONDatabase(work_dir=log_dir)
+    current = None if kernels is None else _kernel_workloads(kernels, target)
     rows = []
     for i, rec in enumerate(records):
         mod, rec_target = rec.workload.mod, target or rec.target
+        if current is not None and not any(tvm_ffi.structural_equal(mod, k) for k in current):
+            rows.append(ExportRow(_kernel_label(mod), None, None, False, stale=True))
+            if verbose:
+                print(f"[{i + 1}/{len(records)}] {rows[-1].kernel}: dropped (stale: no current kernel)", flush=True)
+            continue
         tuned_us = default_us = None
         measurable = rec_target.kind.name == "llvm" and rec.run_secs and float(rec.run_secs[0]) < 1e9
         if compare_default and measurable:
@@ -300,6 +311,15 @@ def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = N
             print(f"[{i + 1}/{len(records)}] {r.kernel}: tuned {_fmt(r.tuned_us)}, default {_fmt(r.default_us)}"
                   f" -> {'kept' if kept else 'dropped (default schedule is as fast)'}", flush=True)
     return rows
+
+
+def _kernel_workloads(kernels: tvm.IRModule, target) -> list[tvm.IRModule]:
+    """The kernels of a Relax module as MetaSchedule workloads (what a database lookup compares)."""
+    from ..build import lower
+
+    lowered = lower(kernels, target or "llvm", schedule=False, tuning_log=None, verbose=False)
+    return [tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
+            for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
 
 
 def _fmt(us: float | None) -> str:
