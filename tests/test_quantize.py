@@ -1,9 +1,10 @@
 """fake_quantize and fake_quantize_backward.
 
-No finite-difference check applies to fake_quantize_backward: every ``ste`` is a surrogate
-gradient (a straight-through estimator), not the derivative of fake_quantize, whose true
-derivative is 0 almost everywhere (a step function). Instead the op is checked against an
-independent NumPy implementation of the SPEC §2 formulas, written literally below.
+Every ``ste`` of fake_quantize_backward is a surrogate gradient (a straight-through estimator),
+not the derivative of fake_quantize, whose true derivative is 0 almost everywhere (a step
+function). So the op is checked against an independent NumPy implementation of the SPEC §2
+formulas, written literally below, and against finite differences of the smooth surrogate each
+estimator is the exact derivative of (identity, clip, s tanh(x / s), the hardtanh integral).
 """
 
 import functools
@@ -125,6 +126,39 @@ def test_matches_reference(dtype, shape_mode, path):
     problems = [(c.name, compare(o, c.reference(dtype), dtype)) for c, o in zip(selected, outputs(dtype, symbolic, path))]
     failures = [f"{n}: {p}" for n, p in problems if p]
     assert not failures, f"{len(failures)} of {len(selected)} cases differ:\n" + "\n".join(failures)
+
+
+def surrogate_forward(ste, x, s, qs):
+    """The function each estimator is the exact derivative of, with the scale ``s`` held fixed."""
+    if ste == "identity":
+        return x
+    if ste == "clipped":
+        return np.clip(x, -qs, qs)
+    if ste == "tanh":
+        return s * np.tanh(x / s)
+    inside = x - np.sign(x) * x * x / (2 * qs)  # hardtanh: the integral of max(0, 1 - |x| / qs)
+    return np.where(np.abs(x) <= qs, inside, np.sign(x) * qs / 2)
+
+
+@pytest.mark.parametrize("path", ["fused", "decomposed"])
+def test_estimators_are_finite_differences_of_their_surrogate_forward(path):
+    """fp64 central differences of each surrogate forward (elementwise, scale fixed at its value for
+    x) times dy, against the kernels; elements within a few steps of the clip boundary are left out
+    (the surrogates have a kink there)."""
+    h = 1e-6
+    checked = 0
+    for c, out in zip(CASES, outputs("float64", False, path)):
+        if c.op != "fake_quantize_backward":
+            continue
+        x, dy = c.inputs["x"], c.inputs["dy"]
+        q, s = spec_scale(x, c.attrs["bits"], c.attrs.get("axis"))
+        qs = q * s
+        fd = (surrogate_forward(c.attrs["ste"], x + h, s, qs) - surrogate_forward(c.attrs["ste"], x - h, s, qs)) / (2 * h)
+        smooth = np.abs(np.abs(x) - qs) > 10 * h * np.maximum(1.0, qs)
+        assert smooth.sum() >= x.size // 2, c.label
+        np.testing.assert_allclose(out[smooth], (fd * dy)[smooth], rtol=1e-6, atol=1e-8, err_msg=c.label)
+        checked += 1
+    assert checked == 2 * len(STES)
 
 
 def test_reference_matches_spec_formulas():
