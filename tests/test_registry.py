@@ -94,6 +94,16 @@ def test_decompose_rejects_unknown_preserve_name():
         DecomposeBackwardOps(preserve=["no_such_op"])
 
 
+def test_decompose_reports_a_decomposition_that_does_not_converge(monkeypatch):
+    """A decomposition that emits its own op again would loop forever: the pass stops after
+    MAX_ROUNDS rounds and names what is left."""
+    relu_backward = get_op("relu_backward")
+    monkeypatch.setattr(relu_backward, "decompose_fn", lambda bb, x, dy: rlx_tvm.ops.relu_backward(x, dy))
+    mod = build_module([c for c in ALL_CASES if c.op == "relu_backward"][:1], "float32", False)
+    with pytest.raises(RuntimeError, match=r"did not converge after \d+ rounds.*relu_backward"):
+        DecomposeBackwardOps()(mod)
+
+
 def _ops_in(func):
     names = set()
 

@@ -204,7 +204,8 @@ def _grad_problems():
         def build(c0, xs, p, w, body=body, save=save, K=K):
             return relax.op.sum(SCAN(c0, xs, body=body, params=[p], save_trajectory=save, num_checkpoints=K) * w)
 
-        probs.append((f"{bname},save={save},K={K}", build, ins, np_loss, 3))
+        # wrt also w: d loss / d w is the scan's output itself, so it is checked elementwise too.
+        probs.append((f"{bname},save={save},K={K}", build, ins, np_loss, 4))
     # Two xs (xs_idx = 1) and no xs at all (length attribute).
     ins = [RNG.standard_normal((2, 3)), RNG.standard_normal((5, 2, 3)), RNG.standard_normal((5, 2, 3)), _param("linear"),
            RNG.standard_normal((2, 2, 3))]
@@ -235,7 +236,7 @@ def _grad_module(probs):
 
 
 def test_gradients_vs_finite_differences():
-    """d init, d xs, d params (a broadcast parameter) through autodiff (gradient rule ->
+    """d init, d xs, d params (a broadcast parameter) and d w (the forward output) through autodiff (gradient rule ->
     scan_backward*) against central finite differences of the NumPy forward: linear / tanh-RNN /
     rlx-op bodies, save_trajectory on/off, K in {0, 1, 3, L}, plus two xs and an xs-free scan.
     Fused loops for all; the decomposed (unrolled) path for the checkpointed ones (K in {1, 3}:
