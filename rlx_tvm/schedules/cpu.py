@@ -56,7 +56,7 @@ class ParallelFallback(CPUScheduleRule):
         lead = list(loops[:n_lead])
         if kinds.strip("R") == "S" * n_lead:  # S...S R...R: a reduction
             if _is_column_reduction(sch, block, n_lead):
-                return self._schedule_column_reduction(sch, block, lead, loops[n_lead], lanes)
+                return self._schedule_column_reduction(sch, block, lead, list(loops[n_lead:]), lanes)
             if _is_row_reduction(sch, block, n_lead) and self._vectorize_row_reduction(sch, block, lead, lanes):
                 return None
         if n_lead == len(loops):  # all spatial: vectorize the innermost loop when it splits evenly
@@ -67,7 +67,7 @@ class ParallelFallback(CPUScheduleRule):
                 lead[-1] = outer
         self._parallel(sch, lead)
 
-    def _schedule_column_reduction(self, sch, block, lead, first_reduction, lanes: int) -> None:
+    def _schedule_column_reduction(self, sch, block, lead, reduction_loops, lanes: int) -> None:
         """out[..., j] = sum_r f(in[r, ..., j]) (gamma/beta gradients, sums over leading axes): the
         columns are split into chunks of whole vectors; each thread takes whole chunks and walks all
         the rows, so every read is a contiguous vector and no two threads write the same output.
@@ -78,11 +78,11 @@ class ParallelFallback(CPUScheduleRule):
         # Up to 4 vectors per chunk, but at least two chunks where the columns allow (two threads).
         width = next((lanes * k for k in (4, 2) if columns % (lanes * k) == 0 and columns // (lanes * k) >= 2), lanes)
         chunks, vec = sch.split(lead[-1], factors=[None, width])
-        sch.reorder(chunks, first_reduction, vec)
+        sch.reorder(chunks, *reduction_loops, vec)
         # Loop kinds first: once the init is split off, the update is no longer the only writer.
         sch.vectorize(vec)
         self._parallel(sch, [*lead[:-1], chunks])
-        init = sch.decompose_reduction(block, first_reduction)
+        init = sch.decompose_reduction(block, reduction_loops[0])
         sch.vectorize(sch.get_loops(init)[-1])
 
     def _vectorize_row_reduction(self, sch, block, lead, lanes: int) -> bool:
