@@ -84,7 +84,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             rows.append((kernel.name, r.name, r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
     print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
     exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all,
-                          kernels=suite_ir_module(scale=args.scale))
+                          kernels=[suite_ir_module(scale=scale) for scale in ("full", "small")])
     print()
     _table(["suite kernel", "task", "records", "best us", "status"], rows)
     print()

@@ -261,13 +261,13 @@ def _drop_unnamed_log_handlers() -> None:
 
 def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = None,
                compare_default: bool = True, verbose: bool = True,
-               kernels: tvm.IRModule | None = None) -> list[ExportRow]:
+               kernels: tvm.IRModule | list[tvm.IRModule] | None = None) -> list[ExportRow]:
     """Write the best record of every kernel in ``work_dir``'s database to ``log_dir`` (MetaSchedule's
     own pruning, ``Database.dump_pruned``): the tuning log that gets committed, while the full
     search history stays in ``work_dir``. With ``compare_default`` on a CPU target, each best record
     is re-measured against the kernel's default schedule (same inputs, interleaved) and kept only if
-    it is faster, so that the log does not make a kernel slower than no log. With ``kernels`` (a
-    Relax module, e.g. the suite's), records of workloads that are not among its kernels are left
+    it is faster, so that the log does not make a kernel slower than no log. With ``kernels`` (Relax
+    modules, e.g. the suite's at each scale), records of workloads that are not among its kernels are left
     out: they are stale, tuned before the kernel's TensorIR changed, and can never match again."""
     import tempfile
 
@@ -313,13 +313,16 @@ def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = N
     return rows
 
 
-def _kernel_workloads(kernels: tvm.IRModule, target) -> list[tvm.IRModule]:
-    """The kernels of a Relax module as MetaSchedule workloads (what a database lookup compares)."""
+def _kernel_workloads(kernels, target) -> list[tvm.IRModule]:
+    """The kernels of Relax modules as MetaSchedule workloads (what a database lookup compares)."""
     from ..build import lower
 
-    lowered = lower(kernels, target or "llvm", schedule=False, tuning_log=None, verbose=False)
-    return [tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
-            for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    workloads = []
+    for mod in [kernels] if isinstance(kernels, tvm.IRModule) else kernels:
+        lowered = lower(mod, target or "llvm", schedule=False, tuning_log=None, verbose=False)
+        workloads += [tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
+                      for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    return workloads
 
 
 def _fmt(us: float | None) -> str:
