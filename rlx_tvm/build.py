@@ -103,16 +103,17 @@ def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, t
                       verbose: bool = True) -> tuple[tvm.IRModule, Lowering]:
     """:func:`lower`, also returning a :class:`Lowering` report."""
     target = _as_target(target)
-    mod = tvm.transform.Sequential(
-        [
-            relax.transform.LegalizeOps(),
-            relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FoldConstant(),
-            relax.transform.FuseOps(),
-            relax.transform.FuseTIR(),
-            relax.transform.DeadCodeElimination(),
-        ]
-    )(mod)
+    with target:  # fused kernels may pick a formulation per target (cumsum_backward does)
+        mod = tvm.transform.Sequential(
+            [
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FoldConstant(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+                relax.transform.DeadCodeElimination(),
+            ]
+        )(mod)
     kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values())
     tuned: list[str] = []
     note = None

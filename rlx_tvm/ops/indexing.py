@@ -5,8 +5,10 @@ cumsum_backward
     ``dx_i = sum_{j >= i} dy_j`` along ``axis`` (``exclusive``: ``j > i``), the adjoint of
     ``cumsum(x, axis, exclusive)``. Any axis, any (also symbolic) length.
 
-    * Fused kernel: a blocked reverse scan in plain ``te.compute`` reductions, no serial loop.
-      With blocks of ``B`` elements, ``dx_i = (suffix of dy inside i's block) + (sum of the totals
+    * Fused kernel, CPU: one serial reverse scan per row (the rows are the parallel loop) with a
+      float64 running sum, so each output is rounded once; it reads dy once and writes dx once.
+    * Fused kernel, GPU targets (legalized in a GPU target's scope): a blocked reverse scan in plain
+      ``te.compute`` reductions, no serial loop. With blocks of ``B`` elements, ``dx_i = (suffix of dy inside i's block) + (sum of the totals
       of the blocks after it)``: the in-block suffix is a masked ``B``-term reduction per element
       and the block suffix a masked reduction over the ``ceil(n/B)`` block totals, so a row costs
       ``O(n*B + (n/B)^2)`` and every output is a sum of at most ``B`` plus ``n/B`` partial sums:
@@ -122,9 +124,64 @@ def _cumsum_backward_decompose(bb, dy, *, axis, exclusive=False):
 
 @cumsum_backward.fused
 def _cumsum_backward_fused(bb, dy, *, axis, exclusive=False):
-    """Up to three kernels, one reduction each (so that GPU default schedules such as dlight's
-    apply to every one): block totals, the sum of the totals after each block, and the in-block
-    suffix plus that sum."""
+    """A serial scan per row on CPU; the blocked reductions on GPUs (legalized in a GPU target's
+    scope), whose threads would each run a whole row serially."""
+    target = tvm.target.Target.current(allow_none=True)
+    if target is not None and "gpu" in target.keys:
+        return cumsum_backward_blocked(bb, dy, axis=axis, exclusive=exclusive)
+    return cumsum_backward_serial(bb, dy, axis=axis, exclusive=exclusive)
+
+
+def suffix_sum_kernel(dtype: str, outer, n, inner, exclusive: bool) -> tirx.PrimFunc:
+    """``out[o, j, i] = sum_{k >= j} dy[o, k, i]`` (``k > j`` when exclusive) over the
+    ``[outer, n, inner]`` view: one block per ``o`` (the parallel loop) walking ``j`` downwards
+    with a float64 running sum per ``i`` (one rounding per output; the ``i`` loop is contiguous,
+    so LLVM vectorizes it). Reads each input once: memory-bound, where the blocked form does
+    ``O(B)`` work per element."""
+    outer, n, inner = _fresh(outer, "outer"), _fresh(n, "n"), _fresh(inner, "inner")
+    run_dtype = "float64"
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(dy_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        dy = T.match_buffer(dy_h, (outer, n, inner), dtype)
+        out = T.match_buffer(out_h, (outer, n, inner), dtype)
+        for o in range(outer):
+            with T.sblock("suffix_sum"):
+                vo = T.axis.spatial(outer, o)
+                T.reads(dy[vo, 0:n, 0:inner])
+                T.writes(out[vo, 0:n, 0:inner])
+                run = T.sblock_alloc_buffer((inner,), run_dtype)
+                for i in range(inner):
+                    run[i] = T.cast(0, run_dtype)
+                for k in range(n):
+                    for i in range(inner):
+                        if exclusive:
+                            out[vo, n - 1 - k, i] = T.cast(run[i], dtype)
+                            run[i] = run[i] + T.cast(dy[vo, n - 1 - k, i], run_dtype)
+                        else:
+                            run[i] = run[i] + T.cast(dy[vo, n - 1 - k, i], run_dtype)
+                            out[vo, n - 1 - k, i] = T.cast(run[i], dtype)
+
+    return kernel
+
+
+def cumsum_backward_serial(bb, dy, *, axis, exclusive=False):
+    """The CPU kernel: :func:`suffix_sum_kernel` on dy's ``[outer, n, inner]`` view."""
+    axis = axis % dy.ty.ndim
+    dims = list(dy.ty.shape.values)
+    outer, n, inner = _prod(dims[:axis]), dims[axis], _prod(dims[axis + 1:])
+    func = suffix_sum_kernel(tensor_dtype(dy), outer, n, inner, bool(exclusive))
+    gv = bb.add_func(func, "rlx_cumsum_backward")
+    dy3 = bb.emit(relax.op.reshape(dy, [outer, n, inner]))
+    out3 = bb.emit(relax.call_tir(gv, [dy3], relax.TensorType([outer, n, inner], tensor_dtype(dy))))
+    return relax.op.reshape(out3, dims)
+
+
+def cumsum_backward_blocked(bb, dy, *, axis, exclusive=False):
+    """The GPU kernels: up to three, one reduction each (so that default schedules such as
+    dlight's apply to every one): block totals, the sum of the totals after each block, and the
+    in-block suffix plus that sum."""
     dtype = tensor_dtype(dy)
     acc = acc_dtype(dtype)
     axis = axis % dy.ty.ndim

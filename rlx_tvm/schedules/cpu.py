@@ -59,7 +59,9 @@ class ParallelFallback(CPUScheduleRule):
                 return self._schedule_column_reduction(sch, block, lead, list(loops[n_lead:]), lanes)
             if _is_row_reduction(sch, block, n_lead) and self._vectorize_row_reduction(sch, block, lead, lanes):
                 return None
-        if n_lead == len(loops):  # all spatial: vectorize the innermost loop when it splits evenly
+        # All spatial: vectorize the innermost loop when it splits evenly, unless the block body
+        # holds loops of its own (a serial scan per row): those stay scalar under the parallel loop.
+        if n_lead == len(loops) and isinstance(sch.get(block).body, tirx.BufferStore):
             inner_extent = _static(sch.get(lead[-1]).extent)
             if inner_extent is not None and inner_extent % lanes == 0 and inner_extent >= lanes:
                 outer, vec = sch.split(lead[-1], factors=[None, lanes])
