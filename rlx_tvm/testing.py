@@ -136,14 +136,20 @@ def compile_and_run(mod: tvm.IRModule, cases: Sequence[Case], dtype: str, target
     return outs
 
 
-def run_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str, target=None) -> list[np.ndarray]:
-    """Outputs of every case through ``path``: "fused" (FLegalize kernels) or "decomposed"."""
+def run_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str, target=None,
+              legalize_for=None) -> list[np.ndarray]:
+    """Outputs of every case through ``path``: "fused" (FLegalize kernels) or "decomposed".
+    ``legalize_for``: legalize in that target's scope (the fused kernels a GPU target gets), then
+    run on the CPU."""
     cases = [c for c in cases if c.batch is not None] if symbolic else list(cases)
     mod = build_module(cases, dtype, symbolic)
     if path == "decomposed":
         mod = DecomposeBackwardOps(include_forward=True)(mod)
     elif path != "fused":
         raise ValueError(path)
+    if legalize_for is not None:
+        with tvm.target.Target(legalize_for):
+            mod = relax.transform.LegalizeOps()(mod)
     return compile_and_run(mod, cases, dtype, target=CHECK_TARGET if target is None else target)
 
 
@@ -164,11 +170,11 @@ def compare(out: np.ndarray, ref: np.ndarray, dtype: str) -> str | None:
     return None
 
 
-def check_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str) -> None:
+def check_cases(cases: Sequence[Case], dtype: str, symbolic: bool, path: str, legalize_for=None) -> None:
     """Assert every case matches its NumPy reference; report all failures at once."""
     selected = [c for c in cases if c.batch is not None] if symbolic else list(cases)
     assert selected, "no cases selected"
-    outs = run_cases(selected, dtype, symbolic=symbolic, path=path)
+    outs = run_cases(selected, dtype, symbolic=symbolic, path=path, legalize_for=legalize_for)
     failures = []
     for case, out in zip(selected, outs):
         problem = compare(out, case.reference(dtype), dtype)

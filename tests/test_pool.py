@@ -13,7 +13,7 @@ from tvm import relax, tirx
 
 from rlx_tvm import autodiff, ops
 from rlx_tvm.passes import DecomposeBackwardOps, count_rlx_calls
-from rlx_tvm.testing import Case, GradCase, check_finite_differences, compare, run_cases
+from rlx_tvm.testing import Case, GradCase, build_module, check_cases, check_finite_differences, compare, run_cases
 
 from .helpers import MATRIX, assert_op_error, tensor_var
 
@@ -127,6 +127,16 @@ def test_matches_reference(dtype, shape_mode, path):
     failures = [f"{name}: {problem}" for name, out in outs.items()
                 if (problem := compare(out, CASE_BY_NAME[name].reference(dtype), dtype))]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype,symbolic", [("float64", False), ("float32", False), ("float64", True)])
+def test_gpu_form_matches_reference(dtype, symbolic):
+    """GPU targets route dy with a gather over each input's candidate windows (the CPU gets a
+    per-plane scatter): that TE compute, built for the CPU here, on every case."""
+    with tvm.target.Target("cuda"):
+        gpu = relax.transform.LegalizeOps()(build_module(CASES[:1], dtype, False))
+    assert "max_pool2d_dx_acc" in gpu.script()  # the gather form, not the scatter
+    check_cases(CASES, dtype, symbolic, "fused", legalize_for="cuda")
 
 
 def test_reference_matches_the_definition():

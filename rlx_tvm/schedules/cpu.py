@@ -9,6 +9,7 @@ pooling/scatter backward, multi-stage fused kernels).
 
 from __future__ import annotations
 
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
@@ -17,7 +18,7 @@ from tvm.target.codegen import llvm_get_vector_width
 
 from .common import inlined_blocks
 
-__all__ = ["ParallelFallback", "default_cpu_rules"]
+__all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
 
 
 def _static(extent) -> int | None:
@@ -150,6 +151,29 @@ def _is_row_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
     return n_spatial < len(stmt.iter_vars) and any(r.region and _uses(r.region[-1].min, last) for r in stmt.reads)
 
 
+class GEMV(dl.cpu.GEMV):
+    """dlight's GEMV rule, minus kernels that access more than one element per buffer in a block
+    (hand-written whole-row or whole-plane blocks: serial scans, scatters), on which its analysis
+    fails an assertion instead of declining."""
+
+    def apply(self, func, target, tunable):
+        if isinstance(func, tirx.PrimFunc) and _has_region_access(func):
+            return None
+        return super().apply(func, target, tunable)
+
+
+def _has_region_access(func: tirx.PrimFunc) -> bool:
+    found = []
+
+    def visit(node):
+        if isinstance(node, s_tir.SBlock) and node.name_hint != "root":
+            regions = [r for access in (*node.reads, *node.writes) for r in access.region]
+            found.extend(r for r in regions if not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1))
+
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit), order="post")
+    return bool(found)
+
+
 def default_cpu_rules() -> list:
     """Rules in priority order: dlight's GEMV rule first, our fallback for everything else.
 
@@ -157,4 +181,4 @@ def default_cpu_rules() -> list:
     scalar adds (softmax-CE backward took 58 ms at 2048 x 8192, 11 ms with the fallback's vector
     row reductions), and put fake-quantize's full reduction ``max|x|`` under the consumer's parallel
     row loop, recomputing it once per row."""
-    return [dl.cpu.GEMV(), ParallelFallback()]
+    return [GEMV(), ParallelFallback()]
