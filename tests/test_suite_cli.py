@@ -115,6 +115,28 @@ def test_default_reduction_schedules_are_vectorized_and_correct():
         _close([g], [r], name)
 
 
+def test_default_matmul_schedule_is_register_blocked_and_correct():
+    """A batched product whose right operand is shared by the rows of the left gets a tile of
+    rows x vectors of accumulators in a local buffer; a row count that is not a multiple of the
+    tile falls back to the plain column schedule. Both match NumPy."""
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal(s).astype("float32") for s in [(2, 12, 16), (2, 16, 64), (2, 10, 16), (2, 16, 48)]]
+    bb = relax.BlockBuilder()
+    params = [relax.Var(f"a{i}", relax.TensorType(list(a.shape), "float32")) for i, a in enumerate(arrays)]
+    with bb.function("main", params):
+        outs = [relax.op.matmul(params[0], params[1]), relax.op.matmul(params[2], params[3])]
+        bb.emit_func_output(relax.Tuple([bb.emit(o) for o in outs]))
+    lowered = build.lower(bb.get(), cpu_target(), tuning_log=None, verbose=False)
+    scripts = sorted((f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)),
+                     key=lambda s: "T.int64(10)" in s)
+    assert len(scripts) == 2
+    assert 'scope="local"' in scripts[0] and "T.unroll(T.int64(4))" in scripts[0], "12 rows: tiled"
+    assert 'scope="local"' not in scripts[1] and "T.vectorized" in scripts[1], "10 rows: not a multiple of 4"
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+    got = [o.numpy() for o in vm["main"](*as_tensors(arrays))]
+    _close(got, [arrays[0] @ arrays[1], arrays[2] @ arrays[3]], "matmul")
+
+
 def test_target_key_names_cpu_and_cores():
     assert build.target_key(cpu_target(num_cores=2)) == f"llvm-{cpu_target().attrs['mcpu']}-2c"
     assert build.target_key("llvm") == "llvm"

@@ -35,6 +35,7 @@ from tvm import relax, te, tirx
 from tvm.relax.op.grad import no_grad
 from tvm.sym import Analyzer
 
+from ..schedules.common import KEEP_STAGE
 from ._math import acc_dtype, tensor_dtype, tir_exp, tir_tanh
 from .registry import Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape
 
@@ -274,19 +275,28 @@ class _RelaxAttention:
 # --------------------------------------------------------------------------------------------
 #
 # Scores are dot products over D, i.e. a reduction, and TE cannot nest one reduction in another,
-# so one [Sq, Sk] tile of raw scores q.k per (batch, head) is materialized; everything else about
-# P (scale, softcap, bias, mask, exp, normalization) is recomputed inline from that tile and two
-# row statistics saved in a first pass (row max m and row sum l of exp(S - m)). What each kernel
+# so one [Sq, Sk] tile of raw scores q.k per (batch, head) is materialized, then two row
+# statistics (row max m and row sum l of exp(S - m)), then the probabilities P (scale, softcap,
+# bias, mask, exp, normalization) as a tile of their own: every consumer of P is a reduction over
+# Sq or Sk that reads each P element Dv or D times, and an inlined P would recompute its exp that
+# often (64x at D = 64). Likewise dS for dQ/dK. These stages carry KEEP_STAGE so that neither the
+# default schedules nor MetaSchedule inline them back. k and v are read through transposed copies
+# ([B, Hkv, D, Sk]) so that the products over D run along contiguous rows. What each kernel
 # materializes (in the compute dtype: float32 for half inputs, else the input dtype):
 #
-#   attention                 B*H*Sq*Sk (scores)            + 2*B*H*Sq (m, l)  [+ B*Sq*H*Dv]
-#   attention_backward, v     B*H*Sq*Sk (scores)            + 2*B*H*Sq (m, l)  [+ B*Sk*Hkv*Dv]
-#   attention_backward, q/k   2*B*H*Sq*Sk (scores, dP)      + 3*B*H*Sq (m, l, rowsum(P*dP))
-#                                                                              [+ the output]
+#   attention                 2*B*H*Sq*Sk (scores, P)          + 2*B*H*Sq (m, l)  + B*Hkv*Sk*D (k^T)
+#   attention_backward, v     2*B*H*Sq*Sk (scores, P)          + 2*B*H*Sq (m, l)  + B*Hkv*Sk*D (k^T)
+#   attention_backward, q/k   4*B*H*Sq*Sk (scores, P, dP, dS)  + 3*B*H*Sq (m, l, rowsum(P*dP))
+#                                                              + B*Hkv*Sk*(D+Dv) (k^T, v^T)
 #
-# (bracketed: the float32 output before its cast, for float16/bfloat16 inputs only). dP = dY V^T
-# is a second reduction (over Dv), hence the second tile for dQ/dK; avoiding it would mean
-# re-reducing over Dv for every element of the D reduction, a factor ~Dv more work.
+# plus, for float16/bfloat16 inputs only, the float32 output before its cast. dP = dY V^T is a
+# second reduction (over Dv), hence its own tile.
+
+
+def transposed_keys(t, name):
+    """[B, S, H, D] -> [B, H, D, S], kept materialized."""
+    b, s, h, d = t.shape
+    return te.compute((b, h, d, s), lambda b, h, d, j: t[b, j, h, d], name=name, attrs=KEEP_STAGE)
 
 
 class _TeAttention:
@@ -305,10 +315,13 @@ class _TeAttention:
         self.offset = _query_offset(causal_mask, self.sq, self.sk)
         self.masked = _masked(causal_mask, window_size)
 
+        # Scores as q times a transposed copy of k ([B, Hkv, D, Sk]): the reduction over D then
+        # reads k along the output's contiguous axis, which the CPU schedule vectorizes.
+        self.k_t = transposed_keys(k, name="k_t")
         rd = te.reduce_axis((0, self.d), "d")
         self.qk = te.compute(
             (self.b, self.h, self.sq, self.sk),
-            lambda b, h, i, j: te.sum(self.load(q, b, i, h, rd) * self.load(k, b, j, self.kv(h), rd), axis=rd),
+            lambda b, h, i, j: te.sum(self.load(q, b, i, h, rd) * self.load(self.k_t, b, self.kv(h), rd, j), axis=rd),
             name="scores",
         )
         rj = te.reduce_axis((0, self.sk), "j")
@@ -325,6 +338,7 @@ class _TeAttention:
             ),
             name="row_sum",
         )
+        self.p = te.compute((self.b, self.h, self.sq, self.sk), self._prob, name="probs", attrs=KEEP_STAGE)
 
     @property
     def zero(self):
@@ -365,11 +379,14 @@ class _TeAttention:
         idx = (b, h, i, j)[4 - len(self.bias.shape):]
         return self.load(self.bias, *[tirx.const(0, "int64") if _static(d) == 1 else x for d, x in zip(self.bias.shape, idx)])
 
-    def prob(self, b, h, i, j):
+    def _prob(self, b, h, i, j):
         # l == 0 only on a fully masked row, where every entry is masked anyway.
         den = tirx.Select(self.l(b, h, i) > self.zero, self.l(b, h, i), tirx.const(1.0, self.acc))
         p = tir_exp(self.logit(b, h, i, j) - self.m(b, h, i)) / den
         return self.where_visible(i, j, p, self.zero)
+
+    def prob(self, b, h, i, j):
+        return self.p(b, h, i, j)
 
     def softcap_grad(self, b, h, i, j):
         t = tir_tanh(self.raw(b, h, i, j) / self.softcap)
@@ -405,10 +422,11 @@ def _te_attention_backward(q, k, v, dy, bias, wrt, **attrs):
         )
         return a.output(dv)
 
+    v_t = transposed_keys(v, name="v_t")
     re = te.reduce_axis((0, a.dv), "e")
     dp = te.compute(
         (a.b, a.h, a.sq, a.sk),
-        lambda b, h, i, j: te.sum(a.load(dy, b, i, h, re) * a.load(v, b, j, a.kv(h), re), axis=re),
+        lambda b, h, i, j: te.sum(a.load(dy, b, i, h, re) * a.load(v_t, b, a.kv(h), re, j), axis=re),
         name="dp",
     )
     rj = te.reduce_axis((0, a.sk), "j")
@@ -418,10 +436,12 @@ def _te_attention_backward(q, k, v, dy, bias, wrt, **attrs):
         name="rowsum_p_dp",
     )
 
-    def ds_scaled(b, h, i, j):
+    def scaled_ds(b, h, i, j):
         """scale * dS: the softmax adjoint, times the softcap's derivative when capped."""
         ds = a.prob(b, h, i, j) * (dp(b, h, i, j) - delta(b, h, i)) * a.scale
         return ds * a.softcap_grad(b, h, i, j) if a.softcap is not None else ds
+
+    ds_scaled = te.compute((a.b, a.h, a.sq, a.sk), scaled_ds, name="scaled_ds", attrs=KEEP_STAGE)
 
     if wrt == "q":
         rj = te.reduce_axis((0, a.sk), "j")

@@ -4,7 +4,36 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base.common_schedules import try_inline
+
+# A block annotation that keeps a stage materialized: MetaSchedule's AutoInline honours it, and
+# so do the default rules (a stage whose inlining would recompute it many times, e.g. attention's
+# probabilities, read Dv times each by the reduction that consumes them).
+KEEP_STAGE = {"meta_schedule.inline_rule": "disable"}
+
+
+def _kept(sch: s_tir.Schedule, block_rv) -> bool:
+    rule = sch.get(block_rv).annotations.get("meta_schedule.inline_rule")
+    return rule is not None and str(rule) == "disable"
+
+
+def try_inline(sch: s_tir.Schedule, blocks: list) -> list:
+    """dlight's ``try_inline`` (inline, then reverse-inline, until nothing changes), leaving the
+    blocks annotated with :data:`KEEP_STAGE` in place."""
+    while True:
+        for i, info in enumerate(blocks):
+            if _kept(sch, info.block_rv):
+                continue
+            try:
+                sch.compute_inline(info.block_rv)
+            except s_tir.ScheduleError:
+                try:
+                    sch.reverse_compute_inline(info.block_rv)
+                except s_tir.ScheduleError:
+                    continue
+            blocks.pop(i)
+            break
+        else:
+            return blocks
 
 
 def inlined_blocks(rule, func, target) -> tuple[s_tir.Schedule, list] | None:

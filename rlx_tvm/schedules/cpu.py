@@ -74,17 +74,35 @@ class ParallelFallback(CPUScheduleRule):
         """out[..., j] = sum_r f(in[r, ..., j]) (gamma/beta gradients, sums over leading axes): the
         columns are split into chunks of whole vectors; each thread takes whole chunks and walks all
         the rows, so every read is a contiguous vector and no two threads write the same output.
-        (A serial loop per column reads one element per row: a cache line per add.)"""
+        (A serial loop per column reads one element per row: a cache line per add.)
+
+        When some read along the columns does not depend on another output axis (a matrix
+        product's right operand, reused by every row of the left), ``ROW_TILE`` rows of that axis
+        share each vector load: the tile of accumulators is a local buffer that LLVM keeps in
+        registers across the reduction, a register-blocked GEMM micro-kernel."""
         columns = _static(sch.get(lead[-1]).extent)
         if columns is None or columns % lanes:
             return self._parallel(sch, lead)
         # Up to 4 vectors per chunk, but at least two chunks where the columns allow (two threads).
         width = next((lanes * k for k in (4, 2) if columns % (lanes * k) == 0 and columns // (lanes * k) >= 2), lanes)
+        tiled = _reused_row_axis(sch, block, len(lead), ROW_TILE)
+        if tiled is not None:  # the other output axes give the threads their work: whole rows
+            width = next(lanes * k for k in (4, 2, 1) if columns % (lanes * k) == 0)
+        accumulate = sch.cache_write(block, 0, "local") if tiled is not None else None
         chunks, vec = sch.split(lead[-1], factors=[None, width])
-        sch.reorder(chunks, *reduction_loops, vec)
+        outer, inner = list(lead[:-1]), []
+        if tiled is not None:
+            rows, row = sch.split(lead[tiled], factors=[None, ROW_TILE])
+            outer[tiled], inner = rows, [row]
+        sch.reorder(*outer, chunks, *reduction_loops, *inner, vec)
         # Loop kinds first: once the init is split off, the update is no longer the only writer.
         sch.vectorize(vec)
-        self._parallel(sch, [*lead[:-1], chunks])
+        if inner:
+            sch.unroll(inner[0])
+        tile_loop = self._parallel(sch, [*outer, chunks])
+        if accumulate is not None:
+            sch.reverse_compute_at(accumulate, tile_loop)
+            sch.vectorize(sch.get_loops(accumulate)[-1])
         init = sch.decompose_reduction(block, reduction_loops[0])
         sch.vectorize(sch.get_loops(init)[-1])
 
@@ -110,11 +128,13 @@ class ParallelFallback(CPUScheduleRule):
         self._parallel(sch, sch.get_loops(block)[: len(lead)])
         return True
 
-    def _parallel(self, sch: s_tir.Schedule, lead: list) -> None:
+    def _parallel(self, sch: s_tir.Schedule, lead: list):
+        """Fuse ``lead`` into one loop, parallel unless too short; returns it."""
         fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
         extent = _static(sch.get(fused).extent)
         if extent is None or extent >= self.min_parallel_extent:
             sch.parallel(fused)
+        return fused
 
 
 def _uses(expr, var) -> bool:
@@ -142,6 +162,26 @@ def _is_column_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
         elif any(_uses(inner, v) for v in reduced) and any(_uses(r.min, column) for r in read.region):
             return False  # e.g. group norm's x[n, c, hw]: a row reduction over hw
     return contiguous_along_column
+
+
+ROW_TILE = 4  # rows of a register-blocked product tile: 4 x (up to 4 vectors) accumulators
+
+
+def _reused_row_axis(sch: s_tir.Schedule, block, n_spatial: int, tile: int) -> int | None:
+    """For a column reduction: the innermost other output axis (static, a multiple of ``tile``)
+    that some read along the columns does not depend on, so that a tile of rows can share its
+    loads; None when there is none (e.g. a plain sum over leading axes)."""
+    stmt = sch.get(block)
+    iters = [iv.var for iv in stmt.iter_vars]
+    column = iters[n_spatial - 1]
+    along_columns = [r for r in stmt.reads if r.region and _uses(r.region[-1].min, column)]
+    for axis in reversed(range(n_spatial - 1)):
+        extent = _static(stmt.iter_vars[axis].dom.extent)
+        if extent is None or extent % tile or extent == tile:
+            continue
+        if any(not any(_uses(rg.min, iters[axis]) for rg in r.region) for r in along_columns):
+            return axis
+    return None
 
 
 def _is_row_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
