@@ -275,18 +275,18 @@ class _RelaxAttention:
 # --------------------------------------------------------------------------------------------
 #
 # Scores are dot products over D, i.e. a reduction, and TE cannot nest one reduction in another,
-# so one [Sq, Sk] tile of raw scores q.k per (batch, head) is materialized, then two row
-# statistics (row max m and row sum l of exp(S - m)), then the probabilities P (scale, softcap,
-# bias, mask, exp, normalization) as a tile of their own: every consumer of P is a reduction over
-# Sq or Sk that reads each P element Dv or D times, and an inlined P would recompute its exp that
-# often (64x at D = 64). Likewise dS for dQ/dK. These stages carry KEEP_STAGE so that neither the
+# so one [Sq, Sk] tile of raw scores q.k per (batch, head) is materialized, then the row max m,
+# then E = exp(S - m) (scale, softcap, bias and mask applied) as a tile of its own, then the row
+# sums l of E; P = E / l is read as E times a per-row 1 / l. Every consumer of P is a reduction
+# over Sq or Sk that reads each element Dv or D times, and an inlined E would recompute its exp
+# that often (64x at D = 64). Likewise dS for dQ/dK. These stages carry KEEP_STAGE so that neither the
 # default schedules nor MetaSchedule inline them back. k and v are read through transposed copies
 # ([B, Hkv, D, Sk]) so that the products over D run along contiguous rows. What each kernel
 # materializes (in the compute dtype: float32 for half inputs, else the input dtype):
 #
-#   attention                 2*B*H*Sq*Sk (scores, P)          + 2*B*H*Sq (m, l)  + B*Hkv*Sk*D (k^T)
-#   attention_backward, v     2*B*H*Sq*Sk (scores, P)          + 2*B*H*Sq (m, l)  + B*Hkv*Sk*D (k^T)
-#   attention_backward, q/k   4*B*H*Sq*Sk (scores, P, dP, dS)  + 3*B*H*Sq (m, l, rowsum(P*dP))
+#   attention                 2*B*H*Sq*Sk (scores, E)          + 3*B*H*Sq (m, l, 1/l)  + B*Hkv*Sk*D (k^T)
+#   attention_backward, v     2*B*H*Sq*Sk (scores, E)          + 3*B*H*Sq (m, l, 1/l)  + B*Hkv*Sk*D (k^T)
+#   attention_backward, q/k   4*B*H*Sq*Sk (scores, E, dP, dS)  + 4*B*H*Sq (m, l, 1/l, rowsum(P*dP))
 #                                                              + B*Hkv*Sk*(D+Dv) (k^T, v^T)
 #
 # plus, for float16/bfloat16 inputs only, the float32 output before its cast. dP = dY V^T is a
@@ -330,15 +330,23 @@ class _TeAttention:
             lambda b, h, i: te.max(self.where_visible(i, rj, self.logit(b, h, i, rj), tirx.min_value(self.acc)), axis=rj),
             name="row_max",
         )
-        rj = te.reduce_axis((0, self.sk), "j")
-        self.l = te.compute(
-            (self.b, self.h, self.sq),
-            lambda b, h, i: te.sum(
-                self.where_visible(i, rj, tir_exp(self.logit(b, h, i, rj) - self.m(b, h, i)), self.zero), axis=rj
-            ),
-            name="row_sum",
+        # exp(S - m) is stored once (the exp is the costly part); P = that times 1 / l, per row.
+        self.e = te.compute(
+            (self.b, self.h, self.sq, self.sk),
+            lambda b, h, i, j: self.where_visible(i, j, tir_exp(self.logit(b, h, i, j) - self.m(b, h, i)), self.zero),
+            name="exp_scores",
+            attrs=KEEP_STAGE,
         )
-        self.p = te.compute((self.b, self.h, self.sq, self.sk), self._prob, name="probs", attrs=KEEP_STAGE)
+        rj = te.reduce_axis((0, self.sk), "j")
+        self.l = te.compute((self.b, self.h, self.sq), lambda b, h, i: te.sum(self.e(b, h, i, rj), axis=rj), name="row_sum")
+        # l == 0 only on a fully masked row, where every entry is masked anyway.
+        self.inv_l = te.compute(
+            (self.b, self.h, self.sq),
+            lambda b, h, i: tirx.const(1.0, self.acc)
+            / tirx.Select(self.l(b, h, i) > self.zero, self.l(b, h, i), tirx.const(1.0, self.acc)),
+            name="inv_row_sum",
+            attrs=KEEP_STAGE,
+        )
 
     @property
     def zero(self):
@@ -379,14 +387,8 @@ class _TeAttention:
         idx = (b, h, i, j)[4 - len(self.bias.shape):]
         return self.load(self.bias, *[tirx.const(0, "int64") if _static(d) == 1 else x for d, x in zip(self.bias.shape, idx)])
 
-    def _prob(self, b, h, i, j):
-        # l == 0 only on a fully masked row, where every entry is masked anyway.
-        den = tirx.Select(self.l(b, h, i) > self.zero, self.l(b, h, i), tirx.const(1.0, self.acc))
-        p = tir_exp(self.logit(b, h, i, j) - self.m(b, h, i)) / den
-        return self.where_visible(i, j, p, self.zero)
-
     def prob(self, b, h, i, j):
-        return self.p(b, h, i, j)
+        return self.e(b, h, i, j) * self.inv_l(b, h, i)
 
     def softcap_grad(self, b, h, i, j):
         t = tir_tanh(self.raw(b, h, i, j) / self.softcap)
