@@ -6,13 +6,16 @@ from functools import lru_cache, partial
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax, tirx
 
 from rlx_tvm import ops
 from rlx_tvm.passes import DecomposeBackwardOps, count_rlx_calls
 from rlx_tvm.testing import (
-    Case, GradCase, build_module, check_finite_differences, compare, run_cases,
+    Case, GradCase, build_module, check_cases, check_finite_differences, compare, compile_and_run, run_cases,
 )
+from rlx_tvm import build
+from rlx_tvm.schedules.tune import cpu_target
 
 from .helpers import MATRIX, assert_op_error, tensor_var
 
@@ -110,6 +113,12 @@ CASES = [
                 stride=(2, 1), padding=(1, 0, 2, 1), dilation=(1, 2), groups=2),
     *conv_cases("1x1 stride 3 drops rows", 1, 3, 2, (8, 7), (1, 1), stride=3),
     *conv_cases("kernel = padded input", 2, 2, 3, (3, 4), (5, 4), padding=(1, 0)),
+    # Unit stride and dilation take the direct (correlation) forms on the CPU: grouped, and with
+    # channels and rows wide enough for the register-blocked vector schedule, with padding past
+    # the kernel (windows of only padding) and asymmetric.
+    *conv_cases("unit stride, groups 2, 4-tuple padding", 2, 4, 6, (6, 7), (3, 2), padding=(0, 1, 2, 1), groups=2),
+    *conv_cases("unit stride, 8 channels, 16-wide rows, padding past the kernel", 2, 8, 8, (5, 16), (2, 3),
+                padding=(2, 3, 1, 3)),
 ]
 CASE_BY_NAME = {c.name: c for c in CASES}
 
@@ -128,6 +137,40 @@ def test_matches_reference(dtype, shape_mode, path):
     failures = [f"{name}: {problem}" for name, out in outs.items()
                 if (problem := compare(out, CASE_BY_NAME[name].reference(dtype), dtype))]
     assert not failures, "\n".join(failures)
+
+
+UNIT_STRIDE = [c for c in CASES if "unit stride" in c.label or "basic" in c.label]
+
+
+def test_cpu_direct_forms_are_used_for_unit_stride():
+    """The unit-stride cases legalize to the direct forms on the CPU (padded dy / channels-last x
+    stages), to the gather forms for a GPU target; their values are checked by the matrix above
+    and by test_gpu_form_matches_reference."""
+    cpu = relax.transform.LegalizeOps()(build_module(UNIT_STRIDE, "float32", False)).script()
+    assert "dy_pad" in cpu and "x_pad_nhwc" in cpu
+    with tvm.target.Target("cuda"):
+        gpu = relax.transform.LegalizeOps()(build_module(UNIT_STRIDE, "float32", False)).script()
+    assert "dy_pad" not in gpu and "x_pad_nhwc" not in gpu
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_direct_forms_under_the_default_cpu_schedule(dtype):
+    """The direct forms as rlx_tvm.compile schedules them when untuned: register-blocked tiles
+    (local accumulators) over rows of 24 (half vectors) and 16 columns and over 8-channel rows."""
+    cases = [*conv_cases("24-wide rows", 2, 8, 8, (6, 24), (3, 3), padding=1),
+             *conv_cases("16-wide rows", 1, 8, 12, (4, 16), (2, 3), padding=(1, 1, 0, 1))]
+    lowered = build.lower(build_module(cases, dtype, False), cpu_target(), tuning_log=None, verbose=False)
+    scripts = [f.script() for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
+    assert len(scripts) == 4 and all('scope="local"' in s for s in scripts)
+    outs = compile_and_run(lowered, cases, dtype, target=cpu_target())
+    failures = [f"{c.name}: {p}" for c, o in zip(cases, outs) if (p := compare(o, c.reference(dtype), dtype))]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype,symbolic", [("float64", False), ("float32", False), ("float64", True)])
+def test_gpu_form_matches_reference(dtype, symbolic):
+    """GPU targets keep the gather forms for every stride: those TE computes, built for the CPU."""
+    check_cases(CASES, dtype, symbolic, "fused", legalize_for="cuda")
 
 
 def test_reference_is_the_exact_adjoint_of_conv2d():

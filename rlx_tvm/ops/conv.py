@@ -35,8 +35,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import tvm
 from tvm import relax, te, tirx
 from tvm.sym import Analyzer
+
+from ..schedules.common import KEEP_STAGE
 
 from ._math import acc_dtype, tensor_dtype
 from .registry import Attr, check_int, check_int_tuple, define_op, op_error
@@ -220,6 +223,58 @@ def _bwd_input_decompose(bb, dy, w, *, input_size, stride, padding, dilation, gr
 
 @conv2d_backward_input.fused
 def _bwd_input_fused(bb, dy, w, *, input_size, stride, padding, dilation, groups):
+    """Stride and dilation 1 on CPU: a direct convolution of the zero-padded dy with the flipped
+    kernel (``_bwd_input_direct``); otherwise, and on GPUs, the gather form below."""
+    if _cpu_unit_stride(stride, dilation):
+        return _bwd_input_direct(bb, dy, w, input_size=input_size, padding=padding, groups=groups)
+    return _bwd_input_gather(bb, dy, w, input_size=input_size, stride=stride, padding=padding, dilation=dilation,
+                             groups=groups)
+
+
+def _bwd_input_direct(bb, dy, w, *, input_size, padding, groups):
+    """Stride 1, dilation 1: output row oy reads input row y = oy - pt + i, so with dy padded by
+    (kh - 1 - pt) rows on top (zero outside dy) and the taps flipped,
+
+        dx[b, ci, y, x] = sum_{o, i, j} dy_pad[b, co, y + i, x + j] * w[co, ci % Cig, kh-1-i, kw-1-j]
+
+    a plain correlation: x is contiguous in dx and in dy_pad and w does not depend on it, which
+    the default CPU schedule turns into register-blocked vector FMAs (rows of ci share dy_pad)."""
+    dtype = tensor_dtype(dy)
+    acc = acc_dtype(dtype)
+    pt, pl, _, _ = padding
+    h_in, w_in = input_size
+
+    def kernel(dyt: te.Tensor, wt: te.Tensor):
+        n, co, ho, wo = dyt.shape
+        _, cig, kh, kw = wt.shape
+        cog = co // groups
+        top, left = kh - 1 - pt, kw - 1 - pl
+
+        def padded(b, c, yy, xx):
+            oy, ox = yy - top, xx - left
+            inside = tirx.all(oy >= 0, oy < ho, ox >= 0, ox < wo)
+            return tirx.if_then_else(inside, dyt[b, c, oy, ox].astype(acc), tirx.const(0, acc))
+
+        dy_pad = te.compute((n, co, h_in + kh - 1, w_in + kw - 1), padded, name="dy_pad", attrs=KEEP_STAGE)
+        o = te.reduce_axis((0, cog), name="o")
+        i = te.reduce_axis((0, kh), name="i")
+        j = te.reduce_axis((0, kw), name="j")
+
+        def body(b, ci, y, x):
+            c_out = o if groups == 1 else (ci // cig) * cog + o
+            c_in = ci if groups == 1 else ci % cig
+            tap = wt[c_out, c_in, kh - 1 - i, kw - 1 - j].astype(acc)
+            return te.sum(dy_pad[b, c_out, y + i, x + j] * tap, axis=[o, i, j])
+
+        total = te.compute((n, cig * groups, h_in, w_in), body, name="conv2d_dx_acc")
+        if acc == dtype:
+            return total
+        return te.compute(total.shape, lambda *idx: total(*idx).astype(dtype), name="conv2d_dx")
+
+    return bb.call_te(kernel, dy, w, primfunc_name_hint="rlx_conv2d_backward_input")
+
+
+def _bwd_input_gather(bb, dy, w, *, input_size, stride, padding, dilation, groups):
     dtype = tensor_dtype(dy)
     acc = acc_dtype(dtype)
     (sh, sw), (dh, dw) = stride, dilation
@@ -363,8 +418,63 @@ def _bwd_weight_decompose(bb, x, dy, *, kernel_size, stride, padding, dilation, 
     return _cast(relax.op.permute_dims(dwt, [1, 0, 2, 3]), acc, dtype)
 
 
+def _cpu_unit_stride(stride, dilation) -> bool:
+    """Stride and dilation 1, legalizing for a CPU: where the direct (correlation) forms apply."""
+    target = tvm.target.Target.current(allow_none=True)
+    unit = tuple(map(int, stride)) == (1, 1) and tuple(map(int, dilation)) == (1, 1)
+    return unit and not (target is not None and "gpu" in target.keys)
+
+
 @conv2d_backward_weight.fused
 def _bwd_weight_fused(bb, x, dy, *, kernel_size, stride, padding, dilation, groups):
+    """Stride and dilation 1 on CPU: a product over (n, ho, wo) against a channels-last copy of
+    the padded x (``_bwd_weight_direct``); otherwise, and on GPUs, the gather form below."""
+    if _cpu_unit_stride(stride, dilation):
+        return _bwd_weight_direct(bb, x, dy, kernel_size=kernel_size, padding=padding, groups=groups)
+    return _bwd_weight_gather(bb, x, dy, kernel_size=kernel_size, stride=stride, padding=padding,
+                              dilation=dilation, groups=groups)
+
+
+def _bwd_weight_direct(bb, x, dy, *, kernel_size, padding, groups):
+    """Stride 1, dilation 1, with x_t[b, Y, X, c] = x[b, c, Y - pt, X - pl] (zero outside x):
+
+        acc[co, i, j, c] = sum_{b, oy, ox} dy[b, co, oy, ox] * x_t[b, oy + i, ox + j, g*Cig + c]
+
+    then dw[co, c, i, j] = acc[co, i, j, c]. The channels run contiguously in x_t and in acc, and
+    dy does not depend on them: the default CPU schedule's register-blocked product (rows of co
+    share each x_t vector)."""
+    dtype = tensor_dtype(x)
+    acc = acc_dtype(dtype)
+    pt, pl, _, _ = padding
+    kh, kw = kernel_size
+
+    def kernel(xt: te.Tensor, dyt: te.Tensor):
+        n, ci, h, w = xt.shape
+        _, co, ho, wo = dyt.shape
+        cig, cog = ci // groups, co // groups
+
+        def padded(b, yy, xx, c):
+            y, xw = yy - pt, xx - pl
+            inside = tirx.all(y >= 0, y < h, xw >= 0, xw < w)
+            return tirx.if_then_else(inside, xt[b, c, y, xw].astype(acc), tirx.const(0, acc))
+
+        x_t = te.compute((n, ho + kh - 1, wo + kw - 1, ci), padded, name="x_pad_nhwc", attrs=KEEP_STAGE)
+        b = te.reduce_axis((0, n), name="b")
+        oy = te.reduce_axis((0, ho), name="oy")
+        ox = te.reduce_axis((0, wo), name="ox")
+
+        def body(c_out, i, j, c):
+            c_in = c if groups == 1 else (c_out // cog) * cig + c
+            return te.sum(dyt[b, c_out, oy, ox].astype(acc) * x_t[b, oy + i, ox + j, c_in], axis=[b, oy, ox])
+
+        total = te.compute((co, kh, kw, cig), body, name="conv2d_dw_acc")
+        return te.compute((co, cig, kh, kw), lambda o, c, i, j: total[o, i, j, c].astype(dtype), name="conv2d_dw",
+                          attrs=KEEP_STAGE)
+
+    return bb.call_te(kernel, x, dy, primfunc_name_hint="rlx_conv2d_backward_weight")
+
+
+def _bwd_weight_gather(bb, x, dy, *, kernel_size, stride, padding, dilation, groups):
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
     (sh, sw), (dh, dw) = stride, dilation

@@ -13,6 +13,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+from tvm.sym import detect_linear_equation
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
@@ -81,13 +82,15 @@ class ParallelFallback(CPUScheduleRule):
         share each vector load: the tile of accumulators is a local buffer that LLVM keeps in
         registers across the reduction, a register-blocked GEMM micro-kernel."""
         columns = _static(sch.get(lead[-1]).extent)
-        if columns is None or columns % lanes:
+        tiled = _reused_row_axis(sch, block, len(lead), ROW_TILE)
+        # A short row that is no multiple of the vector (56) is still one vector op per tile row.
+        short_row = tiled is not None and columns is not None and columns % (lanes // 2) == 0 and columns <= 4 * lanes
+        if columns is None or (columns % lanes and not short_row):
             return self._parallel(sch, lead)
         # Up to 4 vectors per chunk, but at least two chunks where the columns allow (two threads).
         width = next((lanes * k for k in (4, 2) if columns % (lanes * k) == 0 and columns // (lanes * k) >= 2), lanes)
-        tiled = _reused_row_axis(sch, block, len(lead), ROW_TILE)
         if tiled is not None:  # the other output axes give the threads their work: whole rows
-            width = next(lanes * k for k in (4, 2, 1) if columns % (lanes * k) == 0)
+            width = next((lanes * k for k in (4, 2, 1) if columns % (lanes * k) == 0), columns)
         accumulate = sch.cache_write(block, 0, "local") if tiled is not None else None
         chunks, vec = sch.split(lead[-1], factors=[None, width])
         outer, inner = list(lead[:-1]), []
@@ -96,6 +99,9 @@ class ParallelFallback(CPUScheduleRule):
             outer[tiled], inner = rows, [row]
         sch.reorder(*outer, chunks, *reduction_loops, *inner, vec)
         # Loop kinds first: once the init is split off, the update is no longer the only writer.
+        if width % lanes:  # half vectors, unrolled: LLVM splits a 56-lane vector op poorly
+            halves, vec = sch.split(vec, factors=[None, lanes // 2])
+            sch.unroll(halves)
         sch.vectorize(vec)
         if inner:
             sch.unroll(inner[0])
@@ -156,9 +162,9 @@ def _is_column_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
             continue
         inner = read.region[-1].min
         if _uses(inner, column):
-            if any(_uses(inner, v) for v in reduced):
+            if any(_uses(inner, v) for v in reduced) and not _is_shifted(inner, column):
                 return False  # e.g. cumsum's in-block dy[i, i // b * b + k]: a gather, not a column
-            contiguous_along_column = True
+            contiguous_along_column = True  # x[..., j] or a sliding window x[..., j + k]
         elif any(_uses(inner, v) for v in reduced) and any(_uses(r.min, column) for r in read.region):
             return False  # e.g. group norm's x[n, c, hw]: a row reduction over hw
     return contiguous_along_column
@@ -182,6 +188,13 @@ def _reused_row_axis(sch: s_tir.Schedule, block, n_spatial: int, tile: int) -> i
         if any(not any(_uses(rg.min, iters[axis]) for rg in r.region) for r in along_columns):
             return axis
     return None
+
+
+def _is_shifted(index, column) -> bool:
+    """``index`` is ``column + f(other vars)``: contiguous along the column for every fixed value
+    of the others (a convolution's sliding window ``x + j``)."""
+    coeffs = detect_linear_equation(index, [column])
+    return len(coeffs) == 2 and isinstance(coeffs[0], tirx.IntImm) and coeffs[0].value == 1 and not _uses(coeffs[1], column)
 
 
 def _is_row_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
