@@ -115,6 +115,30 @@ def test_default_reduction_schedules_are_vectorized_and_correct():
         _close([g], [r], name)
 
 
+def test_short_rows_take_half_vectors():
+    """A row sum over several short axes (group norm's channels x H x W with W = 56, no multiple
+    of the 16-lane vector) is summed in 8-lane partial sums, and an elementwise kernel over rows
+    of 56 is vectorized by 8; both match NumPy, and a row of 20 stays scalar."""
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(s).astype("float32") for s in [(4, 3, 8, 56), (6, 56), (6, 20)]]
+    bb = relax.BlockBuilder()
+    params = [relax.Var(f"a{i}", relax.TensorType(list(a.shape), "float32")) for i, a in enumerate(arrays)]
+    with bb.function("main", params):
+        outs = [relax.op.sum(params[0], axis=[1, 2, 3]), relax.op.exp(params[1]), relax.op.exp(params[2])]
+        bb.emit_func_output(relax.Tuple([bb.emit(o) for o in outs]))
+    lowered = build.lower(bb.get(), cpu_target(), tuning_log=None, verbose=False)
+    scripts = {name.name_hint: f.script() for name, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert len(scripts) == 3, sorted(scripts)
+    by_shape = {s: next(v for v in scripts.values() if s in v) for s in ("T.int64(3), T.int64(8)", "T.int64(6), T.int64(56)",
+                                                                            "T.int64(6), T.int64(20)")}
+    assert "T.vectorized(T.int64(8))" in by_shape["T.int64(3), T.int64(8)"] and "_rf" in by_shape["T.int64(3), T.int64(8)"]
+    assert "T.vectorized(T.int64(8))" in by_shape["T.int64(6), T.int64(56)"]
+    assert "T.vectorized" not in by_shape["T.int64(6), T.int64(20)"]
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+    got = [o.numpy() for o in vm["main"](*as_tensors(arrays))]
+    _close(got, [arrays[0].sum((1, 2, 3)), np.exp(arrays[1]), np.exp(arrays[2])], "short rows")
+
+
 def test_default_matmul_schedule_is_register_blocked_and_correct():
     """A batched product whose right operand is shared by the rows of the left gets a tile of
     rows x vectors of accumulators in a local buffer; a row count that is not a multiple of the

@@ -9,6 +9,8 @@ pooling/scatter backward, multi-stage fused kernels).
 
 from __future__ import annotations
 
+from math import prod
+
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
@@ -64,9 +66,10 @@ class ParallelFallback(CPUScheduleRule):
         # All spatial: vectorize the innermost loop when it splits evenly, unless the block body
         # holds loops of its own (a serial scan per row): those stay scalar under the parallel loop.
         if n_lead == len(loops) and isinstance(sch.get(block).body, tirx.BufferStore):
-            inner_extent = _static(sch.get(lead[-1]).extent)
-            if inner_extent is not None and inner_extent % lanes == 0 and inner_extent >= lanes:
-                outer, vec = sch.split(lead[-1], factors=[None, lanes])
+            inner_extent = _static(sch.get(lead[-1]).extent) or 0
+            width = next((w for w in (lanes, lanes // 2) if w > 1 and inner_extent % w == 0), None)
+            if width is not None and inner_extent >= width:  # rows of 56: half vectors
+                outer, vec = sch.split(lead[-1], factors=[None, width])
                 sch.vectorize(vec)
                 lead[-1] = outer
         self._parallel(sch, lead)
@@ -117,11 +120,17 @@ class ParallelFallback(CPUScheduleRule):
         reduction is split into ``lanes`` partial sums (rfactor) computed with vector adds under the
         output's parallel loop, then summed; a serial scalar loop would be one dependent add per
         element. False (nothing changed) when the reduction is not in the form rfactor takes."""
-        inner = sch.get_loops(block)[-1]
-        extent = _static(sch.get(inner).extent)
-        if extent is None or extent % lanes or extent < 16 * lanes:  # short rows: the extra sum costs more
+        reduced = sch.get_loops(block)[len(lead):]
+        inner = reduced[-1]
+        extents = [_static(sch.get(loop).extent) for loop in reduced]
+        if None in extents or prod(extents) < 16 * lanes:  # short rows: the extra sum costs more
             return False
-        rows, vec = sch.split(inner, factors=[None, lanes])
+        # The widest vector that divides the innermost extent: a reduction over several short
+        # axes (group norm's channels-of-group x H x W, W = 56) takes half vectors.
+        width = next((w for w in (lanes, lanes // 2) if w > 1 and extents[-1] % w == 0), None)
+        if width is None:
+            return False
+        rows, vec = sch.split(inner, factors=[None, width])
         try:
             partial = sch.rfactor(vec, factor_axis=len(lead))
         except s_tir.ScheduleError:
