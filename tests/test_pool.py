@@ -321,3 +321,27 @@ def test_second_derivative_is_exactly_zero():
         _, (grad,), (hv,) = vm["f_hvp"](*[tvm.runtime.tensor(a) for a in (x, c, RNG.standard_normal(x.shape))])
         np.testing.assert_array_equal(hv.numpy(), 0.0)
         np.testing.assert_allclose(grad.numpy(), max_pool2d_vjp(x, c, **attrs), rtol=1e-12, atol=1e-12)
+
+
+def test_default_cpu_schedule_nests_the_window_max_in_the_argmax_vectors():
+    """Under rlx_tvm's default CPU schedule the argmax kernel is one parallel loop whose vector
+    chunks first take the window max, then the first tap equal to it: still exact on ties, on
+    -inf input next to padding, and on distinct values (fp32 and fp64)."""
+    from rlx_tvm import build
+    from rlx_tvm.schedules.tune import cpu_target
+
+    attrs = {"kernel_size": 3, "stride": 2, "padding": 1}
+    ties = np.round(RNG.standard_normal((2, 3, 32, 32)))
+    ties[1, 2] = -np.inf
+    xs = [ties, _distinct(2, 3, 32, 32)]
+    for dtype in ("float32", "float64"):
+        cases = [_trap(f"{dtype} {i}", x.astype(dtype), **attrs) for i, x in enumerate(xs)]
+        lowered = build.lower(build_module(cases, dtype, False), cpu_target(), tuning_log=None, verbose=False)
+        argmax = [f.script() for g, f in lowered.functions.items() if "argmax" in g.name_hint]
+        assert argmax and all(s.count("T.parallel") == 1 and "best_update" in s and "T.vectorized" in s for s in argmax)
+        vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+        for i, case in enumerate(cases):
+            x, dy = (case.cast_inputs(dtype)[k] for k in ("x", "dy"))
+            got = vm[f"case_{i}"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy)).numpy()
+            want = max_pool2d_vjp(x.astype("float64"), dy.astype("float64"), **attrs)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=case.name)

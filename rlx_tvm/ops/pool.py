@@ -163,7 +163,13 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
         n, c = xt.shape[:2]
         framed = te.compute(
             (n, c, hp, wp),
-            lambda b, ch, y, xx: tirx.if_then_else(is_real(y, xx), xt[b, ch, y - pt, xx - pl].astype(acc), neg_inf),
+            # A select of a clamped (always in-bounds) read rather than a guarded read: both sides
+            # evaluate, so the window loops vectorize (a guarded load stays scalar).
+            lambda b, ch, y, xx: tirx.Select(
+                is_real(y, xx),
+                xt[b, ch, tirx.max(tirx.min(y - pt, h - 1), 0), tirx.max(tirx.min(xx - pl, w - 1), 0)].astype(acc),
+                neg_inf,
+            ),
             name="framed",
         )
         i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")

@@ -46,9 +46,63 @@ class ParallelFallback(CPUScheduleRule):
             return None
         sch, blocks = found
         lanes = max(1, llvm_get_vector_width(target) // 32)
+        # A window reduction read only by the next one over the same outputs (max-pool's window
+        # max, then its argmax) is computed inside the consumer's vector chunks, where its values
+        # are still in registers, instead of in a pass of its own.
+        nested = {}
+        for producer, consumer in zip(blocks, blocks[1:]):
+            if self._window_width(sch, producer, lanes) and self._window_width(sch, consumer, lanes) \
+                    and _only_consumer(sch, producer.block_rv, consumer.block_rv) \
+                    and _same_domain(producer, consumer):
+                nested[consumer.name] = producer
+        inner = {info.name for info in nested.values()}
         for info in blocks:
-            self._schedule_block(sch, info, lanes)
+            if info.name in inner:
+                continue
+            chunk_loop = self._schedule_block(sch, info, lanes)
+            if info.name in nested and chunk_loop is not None:
+                producer = nested[info.name]
+                sch.compute_at(producer.block_rv, chunk_loop)
+                self._vectorize_window(sch, producer.block_rv, len(producer.dom_kind().lstrip("S")))
         return sch
+
+    def _window_width(self, sch, info, lanes: int) -> int | None:
+        """For a reduction over a small window (pooling: ``kh x kw`` taps) whose innermost output
+        axis is static: the vector width to compute that axis with; None otherwise."""
+        kinds = info.dom_kind()
+        n_lead = len(kinds) - len(kinds.lstrip("S"))
+        if n_lead == 0 or kinds[n_lead:] != "R" * (len(kinds) - n_lead) or n_lead == len(kinds):
+            return None
+        extents = [_iter_extent(it) for it in info.iters]
+        if None in extents or prod(extents[n_lead:]) > SMALL_WINDOW:
+            return None
+        return next((w for w in (lanes, lanes // 2) if w > 1 and extents[n_lead - 1] % w == 0), None)
+
+    def _vectorize_window(self, sch, block, n_reduced: int) -> None:
+        """A window reduction that ``compute_at`` put inside a consumer's vector chunk (its new
+        loops: the chunk's elements, then the taps): the taps outside, a vector of the chunk inside."""
+        loops = sch.get_loops(block)
+        taps, chunk = loops[-n_reduced:], loops[-n_reduced - 1]
+        sch.reorder(*taps, chunk)
+        sch.vectorize(chunk)
+        init = sch.decompose_reduction(block, taps[0])
+        sch.vectorize(sch.get_loops(init)[-1])
+
+    def _schedule_window(self, sch, block, lead, reduced, width: int):
+        """out[..., j] = reduce over a small window of in[..., s*j + t] (pooling): chunks of
+        ``width`` outputs along the innermost axis, each a vector accumulated over the taps (a
+        serial loop per output is a few dependent scalar steps with a branch each). Returns the
+        chunk loop."""
+        chunks, vec = sch.split(lead[-1], factors=[None, width])
+        sch.reorder(*lead[:-1], chunks, *reduced, vec)
+        sch.vectorize(vec)
+        if lead[:-1]:
+            self._parallel(sch, lead[:-1])
+        else:
+            sch.parallel(chunks)
+        init = sch.decompose_reduction(block, reduced[0])
+        sch.vectorize(sch.get_loops(init)[-1])
+        return chunks
 
     def _schedule_block(self, sch: s_tir.Schedule, info, lanes: int) -> None:
         block = info.block_rv
@@ -61,6 +115,9 @@ class ParallelFallback(CPUScheduleRule):
         if kinds.strip("R") == "S" * n_lead:  # S...S R...R: a reduction
             if _is_column_reduction(sch, block, n_lead):
                 return self._schedule_column_reduction(sch, block, lead, list(loops[n_lead:]), lanes)
+            width = self._window_width(sch, info, lanes)
+            if width is not None:
+                return self._schedule_window(sch, block, lead, list(loops[n_lead:]), width)
             if _is_row_reduction(sch, block, n_lead) and self._vectorize_row_reduction(sch, block, lead, lanes):
                 return None
         # All spatial: vectorize the innermost loop when it splits evenly, unless the block body
@@ -152,6 +209,24 @@ class ParallelFallback(CPUScheduleRule):
         return fused
 
 
+def _iter_extent(it) -> int | None:
+    """A dlight iter's static extent (it gives an int when static)."""
+    return it.dom if isinstance(it.dom, int) else None
+
+
+def _only_consumer(sch: s_tir.Schedule, producer, consumer) -> bool:
+    consumers = sch.get_consumers(producer)
+    return len(consumers) == 1 and sch.get(consumers[0]).same_as(sch.get(consumer))
+
+
+def _same_domain(a, b) -> bool:
+    """Two dlight block infos with the same spatial iteration extents."""
+    def spatial(info):
+        return [_iter_extent(it) for it in info.iters if it.kind == "S"]
+
+    return None not in spatial(a) and spatial(a) == spatial(b)
+
+
 def _uses(expr, var) -> bool:
     return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
 
@@ -178,6 +253,8 @@ def _is_column_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
             return False  # e.g. group norm's x[n, c, hw]: a row reduction over hw
     return contiguous_along_column
 
+
+SMALL_WINDOW = 32  # taps of a window reduction (pooling) scheduled as vectors along its outputs
 
 ROW_TILE = 4  # rows of a register-blocked product tile: 4 x (up to 4 vectors) accumulators
 
