@@ -42,6 +42,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.transform.legalize_ops import nn as _tvm_legalize
 
+from ..schedules.common import KEEP_STAGE
 from ._math import acc_dtype, tensor_dtype
 from .registry import Attr, check_float, check_int, define_op, fmt_shape
 
@@ -289,23 +290,27 @@ def _loader(t, acc):
     return lambda i: t(*i).astype(acc)
 
 
-def _rstd_stage(shape, sq_sum, count, eps, acc):
+def _rstd_stage(shape, sq_sum, count, eps, acc, keep=False):
     """(sum / count + eps)^(-1/2), elementwise over a stage of per-row (per-block) sums."""
     one, eps = tirx.const(1.0, acc), tirx.const(eps, acc)
-    return te.compute(shape, lambda *o: one / tirx.sqrt(sq_sum(*o) / count + eps), name="rstd")
+    # ``keep`` (the backward kernels, which read r once per element several times): inlined, the
+    # square root and division would run per element instead of per row. (The forward kernels
+    # leave it to fusion: TVM's reverse_compute_inline fails an internal check on a kept stage.)
+    return te.compute(shape, lambda *o: one / tirx.sqrt(sq_sum(*o) / count + eps), name="rstd",
+                      **({"attrs": KEEP_STAGE} if keep else {}))
 
 
-def _te_layer_stats(rows: _Rows, x, eps):
+def _te_layer_stats(rows: _Rows, x, eps, keep=True):
     """Two-pass mean and biased variance: ``xh(i)`` and ``r(i)`` on full indices."""
     mean = rows.row_mean("mean", x)
     var_sum = rows.row_sum("var_sum", lambda i: (x(i) - mean(i)) * (x(i) - mean(i)))
-    r = rows.at(_rstd_stage(rows.row_shape, var_sum, rows.count, eps, rows.acc))
+    r = rows.at(_rstd_stage(rows.row_shape, var_sum, rows.count, eps, rows.acc, keep))
     return (lambda i: (x(i) - mean(i)) * r(i)), r
 
 
-def _te_rms_r(rows: _Rows, x, eps):
+def _te_rms_r(rows: _Rows, x, eps, keep=True):
     sq_sum = rows.row_sum("sq_sum", lambda i: x(i) * x(i))
-    return rows.at(_rstd_stage(rows.row_shape, sq_sum, rows.count, eps, rows.acc))
+    return rows.at(_rstd_stage(rows.row_shape, sq_sum, rows.count, eps, rows.acc, keep))
 
 
 class _Groups:
@@ -367,10 +372,10 @@ class _Groups:
         return te.compute((self.shape[self.channel],), body, name=name)
 
 
-def _te_group_stats(groups: _Groups, x, eps):
+def _te_group_stats(groups: _Groups, x, eps, keep=True):
     mean = groups.block_mean("mean", x)
     var_sum = groups.block_sum("var_sum", lambda i: (x(i) - mean(i)) * (x(i) - mean(i)))
-    r = groups.at(_rstd_stage(groups.block_shape, var_sum, groups.count, eps, groups.acc))
+    r = groups.at(_rstd_stage(groups.block_shape, var_sum, groups.count, eps, groups.acc, keep))
     return (lambda i: (x(i) - mean(i)) * r(i)), r
 
 
@@ -799,7 +804,7 @@ def _legalize_layer_norm(bb, call):
 
     def kernel(xt, *params):
         rows = _Rows(xt.shape, axes, acc)
-        xh, _ = _te_layer_stats(rows, _loader(xt, acc), eps)
+        xh, _ = _te_layer_stats(rows, _loader(xt, acc), eps, keep=False)
         gt = params[0] if scale else None
         bt = params[-1] if center else None
 
@@ -831,7 +836,7 @@ def _legalize_rms_norm(bb, call):
     def kernel(xt, wt):
         rows = _Rows(xt.shape, axes, acc)
         xv = _loader(xt, acc)
-        r = _te_rms_r(rows, xv, eps)
+        r = _te_rms_r(rows, xv, eps, keep=False)
         return te.compute(
             xt.shape, lambda *i: (xv(i) * r(i) * wt(*[i[a] for a in axes]).astype(acc)).astype(dtype), name="y"
         )
@@ -857,7 +862,7 @@ def _legalize_group_norm(bb, call):
 
     def kernel(xt, *params):
         blocks = _Groups(xt.shape, groups, acc, channel, axes)
-        xh, _ = _te_group_stats(blocks, _loader(xt, acc), eps)
+        xh, _ = _te_group_stats(blocks, _loader(xt, acc), eps, keep=False)
         gt = params[0] if scale else None
         bt = params[-1] if center else None
 
