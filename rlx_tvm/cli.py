@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -60,7 +61,7 @@ def _kernel_names(arg: str | None) -> list[str] | None:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .build import TUNING_LOGS, target_key
     from .schedules.suite import suite_ir_module, suite_kernels
-    from .schedules.tune import export_log, rpc_runner, tune
+    from .schedules.tune import SKIPPED, export_log, rpc_runner, tune
 
     target = _target(args.target)
     key = target_key(target)
@@ -76,12 +77,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(f"tuning {len(kernels)} suite kernel(s) for {key} ({target}), {args.trials} trials per kernel, "
           f"records in {work_dir}", flush=True)
     rows = []
+    deadline = None if args.time_budget is None else time.time() + args.time_budget
     for i, kernel in enumerate(kernels):
         print(f"== {kernel.name} ({i + 1}/{len(kernels)})", flush=True)
         mod = suite_ir_module([kernel], args.scale)
+        budget = None if deadline is None else max(0.0, deadline - time.time())
         for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed,
-                      runner=runner):
+                      runner=runner, time_budget=budget):
             rows.append((kernel.name, r.name, r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
+    skipped = sum(r[-1] == SKIPPED for r in rows)
+    if skipped:
+        print(f"{skipped} task(s) skipped: the time budget is spent; run the command again to resume", flush=True)
     print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
     exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all,
                           kernels=[suite_ir_module(scale=scale) for scale in ("full", "small")])
@@ -203,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--work-dir", help="database of all records (default tuning_work/<target key>)")
     tu.add_argument("--log-dir", help="pruned tuning log to write (default tuning_logs/<target key>)")
     tu.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    tu.add_argument("--time-budget", type=float, metavar="SECONDS",
+                    help="start no kernel after this many seconds (a started one finishes); the rest are "
+                         "skipped, and running the command again resumes them from the records")
     tu.add_argument("--rpc", metavar="HOST:PORT",
                     help="measure on remote devices through this TVM RPC tracker (python -m tvm.exec.rpc_tracker)")
     tu.add_argument("--key", help="with --rpc: the device key the RPC servers registered with (--key of rpc_server)")

@@ -2,6 +2,7 @@
 baseline formulations, tuning-log lookup by target, and smoke tests of ``rlx-tvm tune``,
 ``compile`` and ``bench`` (a tiny real tuning run, its log applied)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -57,8 +58,60 @@ def test_default_schedules_cover_every_suite_kernel():
     unscheduled = [n for n, f in prims.items() if "tirx.is_scheduled" not in (f.attrs or {})]
     serial = [n for n, f in prims.items() if "T.parallel" not in f.script()]
     assert not unscheduled and not serial, (unscheduled, serial)
+    _assert_in_bounds(prims)
     vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
     for k in SUITE:
+        got = [o.numpy() for o in vm[k.name](*as_tensors(k.inputs("small").values()))]
+        _close(got, suite_reference(k, "small"), k.name)
+
+
+def _assert_in_bounds(prims: dict) -> None:
+    """No scheduled kernel reads or writes outside its buffers (TVM's OOBChecker, on the bounds of
+    every index): a select evaluates both sides, so a load it discards must be in bounds too. (Not
+    for TVM's own kernels: their padding reads sit under ``if_then_else``, which evaluates lazily
+    but which the checker bounds all the same.)"""
+    for name, f in prims.items():
+        try:
+            tvm.s_tir.analysis.OOBChecker()(tvm.IRModule({"main": f}))
+        except Exception as err:  # noqa: BLE001 - the checker raises a plain TVM error
+            raise AssertionError(f"{name}: {str(err).strip().splitlines()[-1]}") from None
+
+
+def test_max_pool_padding_reads_stay_in_bounds():
+    """The fused max-pool kernel reads a clamped position where a window covers padding; the
+    clamp survives simplification (a bounds condition on the select used to let TVM drop it, and
+    the kernel read one row and column before the input: a crash when that memory is unmapped)."""
+    k = suite_kernel("max_pool2d_backward")
+    lowered = build.lower(suite_module(k, "small"), cpu_target(), tuning_log=None, verbose=False)
+    prims = {gv.name_hint: f for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert "rlx_max_pool2d_argmax" in prims
+    _assert_in_bounds(prims)
+    unscheduled = build.lower(suite_module(k, "small"), cpu_target(), schedule=False, tuning_log=None, verbose=False)
+    _assert_in_bounds({gv.name_hint: f for gv, f in unscheduled.functions.items() if isinstance(f, tvm.tirx.PrimFunc)})
+
+
+def test_multi_stage_row_kernels_run_in_one_parallel_loop():
+    """Norm and softmax-CE backward kernels at rows long enough to matter: every stage (the
+    statistics, then the gradient) runs inside one parallel loop over the rows, or over (n, group)
+    for group norm, so a row is read from memory once; group norm's long rows are summed in four
+    vector accumulators, partial sums in local buffers. Outputs match NumPy."""
+    shapes = {
+        "layer_norm_backward": {"x": ((16, 768), "normal"), "gamma": ((768,), "positive"),
+                                "beta": ((768,), "normal"), "dy": ((16, 768), "normal")},
+        "group_norm_backward": {"x": ((2, 64, 28, 56), "normal"), "gamma": ((64,), "positive"),
+                                "beta": ((64,), "normal"), "dy": ((2, 64, 28, 56), "normal")},
+        "softmax_cross_entropy_backward": {"logits": ((8, 1024), "normal"), "labels": ((8,), "int<1024"),
+                                           "d_loss": ((8,), "normal")},
+    }
+    kernels = [dataclasses.replace(suite_kernel(n), shapes=lambda scale, s=s: s) for n, s in shapes.items()]
+    lowered = build.lower(suite_ir_module(kernels, "small"), cpu_target(), tuning_log=None, verbose=False)
+    scripts = {gv.name_hint: f.script() for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    for name in ("rlx_layer_norm_backward_input", "rlx_group_norm_backward_input", "rlx_group_norm_backward_gamma"):
+        script = scripts[name]
+        assert script.count("T.parallel") == 1 and script.count("_rf") >= 3 and 'scope="local"' in script, name
+    assert "T.unroll(T.int64(4))" in scripts["rlx_group_norm_backward_input"]  # 4 accumulators per row
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+    for k in kernels:
         got = [o.numpy() for o in vm[k.name](*as_tensors(k.inputs("small").values()))]
         _close(got, suite_reference(k, "small"), k.name)
 
@@ -183,6 +236,13 @@ def test_cli_tune_writes_a_pruned_log(cli_tuned, capsys):
     full = build.load_tuning_log(str(work)).get_all_tuning_records()
     best = build.load_tuning_log(str(log)).get_all_tuning_records()
     assert len(full) > len(best) == 2  # rms_norm_backward: the dx and dgamma kernels, one record each
+
+
+def test_cli_tune_stops_at_its_time_budget(tmp_path, capsys):
+    rc = cli.main(["tune", "--kernels", "relu_backward", "--scale", "small", "--trials", "4", "--time-budget", "0",
+                   "--work-dir", str(tmp_path / "work"), "--log-dir", str(tmp_path / "log")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "skipped: time budget spent" in out and "run the command again to resume" in out
 
 
 def test_export_keeps_only_records_faster_than_the_default_schedule(cli_tuned, tmp_path):

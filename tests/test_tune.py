@@ -11,7 +11,7 @@ from tvm import relax
 
 import rlx_tvm
 from rlx_tvm.build import TuningLogError
-from rlx_tvm.schedules.tune import cpu_target, tune
+from rlx_tvm.schedules.tune import SKIPPED, cpu_target, tune
 from rlx_tvm.testing import Case, build_module
 
 RNG = np.random.default_rng(11)
@@ -51,6 +51,17 @@ def test_resume_keeps_records_and_skips_finished_tasks(tuned, capsys):
     assert [r.status for r in again] == ["resumed"]
     assert again[0].trials == first[0].trials and again[0].best_us == first[0].best_us
     assert "records already" in capsys.readouterr().out
+
+
+def test_spent_time_budget_skips_tasks_and_keeps_records(tuned, capsys):
+    """With the time budget spent no task starts: a task with records (asked for more trials) and a
+    new one are both skipped, the records stay, and the lines say why."""
+    work, case, first = tuned
+    mod = build_module([case, _case(16)], "float32", symbolic=False)
+    again = tune(mod, cpu_target(), trials=first[0].trials + 8, work_dir=work, time_budget=0)
+    assert [r.status for r in again] == [SKIPPED, SKIPPED]
+    assert sorted(r.trials for r in again) == [0, first[0].trials]
+    assert capsys.readouterr().out.count(SKIPPED) == 2
 
 
 def test_compile_applies_the_log_and_matches_the_reference(tuned, capsys):

@@ -259,6 +259,14 @@ def _np_erf(x):
     return np.vectorize(math.erf, otypes=[np.float64])(np.asarray(x, dtype=np.float64))
 
 
+def clamp_index(i, n):
+    """``i`` clamped into ``[0, n)``: an index that is safe to load even where a select discards
+    the value. Pair it with a condition ``clamp_index(i, n) == i`` rather than ``0 <= i < n``: TVM's
+    simplifier drops a clamp that its select's condition proves redundant, and the select still
+    evaluates the load."""
+    return tirx.max(tirx.min(i, n - 1), 0)
+
+
 def acc_dtype(dtype: str) -> str:
     """Accumulation / compute dtype: half types compute in float32."""
     return "float32" if dtype in ("float16", "bfloat16") else dtype

@@ -36,7 +36,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
-from ._math import acc_dtype, tensor_dtype
+from ._math import acc_dtype, clamp_index, tensor_dtype
 from .conv import check_pair, check_padding, check_window_fits, same_dim, span, static_dims, window_geometry
 from .registry import Attr, check_bool, check_optional, define_op
 
@@ -161,17 +161,17 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
 
     def argmax_kernel(xt: te.Tensor):
         n, c = xt.shape[:2]
-        framed = te.compute(
-            (n, c, hp, wp),
+
+        def frame(b, ch, y, xx):
             # A select of a clamped (always in-bounds) read rather than a guarded read: both sides
-            # evaluate, so the window loops vectorize (a guarded load stays scalar).
-            lambda b, ch, y, xx: tirx.Select(
-                is_real(y, xx),
-                xt[b, ch, tirx.max(tirx.min(y - pt, h - 1), 0), tirx.max(tirx.min(xx - pl, w - 1), 0)].astype(acc),
-                neg_inf,
-            ),
-            name="framed",
-        )
+            # evaluate, so the window loops vectorize (a guarded load stays scalar). Its condition
+            # is "the clamp changed nothing", not the bounds themselves: under a bounds condition
+            # TVM's simplifier proves the clamp redundant and drops it, and the read that the
+            # select evaluates anyway goes out of bounds at the padding.
+            yc, xc = clamp_index(y - pt, h), clamp_index(xx - pl, w)
+            return tirx.Select(tirx.all(yc == y - pt, xc == xx - pl), xt[b, ch, yc, xc].astype(acc), neg_inf)
+
+        framed = te.compute((n, c, hp, wp), frame, name="framed")
         i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")
         best = te.compute(
             (n, c, ho, wo),
@@ -199,10 +199,12 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
         n, c = dyt.shape[:2]
 
         def pick(b, ch, oy, ox, i, j, hit):
-            # Clamped reads stay in bounds even where TIR evaluates them before knowing ``hit``.
-            oy, ox = tirx.max(tirx.min(oy, ho - 1), 0), tirx.max(tirx.min(ox, wo - 1), 0)
-            mine = tirx.all(hit, winner[b, ch, oy, ox] == (i * kw + j).astype("int32"))
-            return tirx.Select(mine, dyt[b, ch, oy, ox].astype(acc), tirx.const(0, acc))
+            # Window (oy, ox), if it exists, sends its dy here when tap (i, j) won it. Clamped
+            # reads stay in bounds even where TIR evaluates them before knowing the condition,
+            # which says "the clamp changed nothing" instead of stating the bounds (see frame()).
+            oyc, oxc = clamp_index(oy, ho), clamp_index(ox, wo)
+            mine = tirx.all(hit, oyc == oy, oxc == ox, winner[b, ch, oyc, oxc] == (i * kw + j).astype("int32"))
+            return tirx.Select(mine, dyt[b, ch, oyc, oxc].astype(acc), tirx.const(0, acc))
 
         if by_window:
             r, q = te.reduce_axis((0, ry), name="r"), te.reduce_axis((0, rx), name="q")
@@ -212,8 +214,7 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
                 oy, ox = tirx.floordiv(y + pt, sh) - r, tirx.floordiv(xx + pl, sw) - q
                 ty, tx = y + pt - oy * sh, xx + pl - ox * sw  # >= 0 by construction
                 i, j = tirx.floordiv(ty, dh), tirx.floordiv(tx, dw)
-                hit = tirx.all(oy >= 0, ox >= 0, oy < ho, ox < wo, i < kh, j < kw,
-                               tirx.floormod(ty, dh) == 0, tirx.floormod(tx, dw) == 0)
+                hit = tirx.all(i < kh, j < kw, tirx.floormod(ty, dh) == 0, tirx.floormod(tx, dw) == 0)
                 return te.sum(pick(b, ch, oy, ox, i, j, hit), axis=[r, q])
         else:
             i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")
@@ -222,10 +223,7 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
                 # Window (oy, ox) holds input (y, x) as its tap (i, j) iff y + pt = oy*s + i*d.
                 ty, tx = y + pt - i * dh, xx + pl - j * dw
                 oy, ox = tirx.floordiv(ty, sh), tirx.floordiv(tx, sw)
-                hit = tirx.all(
-                    tirx.floormod(ty, sh) == 0, tirx.floormod(tx, sw) == 0,
-                    ty >= 0, tx >= 0, oy < ho, ox < wo,
-                )
+                hit = tirx.all(tirx.floormod(ty, sh) == 0, tirx.floormod(tx, sw) == 0)  # oy >= 0 iff ty >= 0
                 return te.sum(pick(b, ch, oy, ox, i, j, hit), axis=[i, j])
 
         total = te.compute((n, c, h, w), gather, name="max_pool2d_dx_acc")

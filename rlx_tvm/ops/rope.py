@@ -173,19 +173,23 @@ def _rope_te(act, cos, sin, g: RopeGeometry, sin_sign: float, name: str):
     def body(*idx):
         last = idx[-1]
         d = last if g.rank == 4 else tirx.floormod(last, g.head_dim)  # dim within the head
-        zero = tirx.const(0, d.ty.dtype)
         in_rot = d < g.n_rot
+        # Indices in range for every d by arithmetic, not by a select: a select evaluates both
+        # sides, and TVM's simplifier rewrites each side under the select's condition (dropping
+        # a guard that only the other side needed), so a load inside one may go out of bounds.
         if g.style == "neox":
             first = d < g.half
-            j = tirx.Select(first, d, d - g.half)
-            partner = tirx.Select(first, d + g.half, d - g.half)
+            # d < n_rot: the pair partner; else any dim in range. (Taken mod n_rot of d, not of
+            # the whole index: floormod(floormod(i, n) + h, n) trips TVM's simplifier.)
+            partner = d + g.half - g.n_rot * (d + g.half >= g.n_rot).astype(d.ty.dtype) \
+                if g.rank == 3 and g.n_rot == g.head_dim else tirx.floormod(d + g.half, g.n_rot)
+            j = tirx.floormod(d, g.half)
         else:
             first = tirx.floormod(d, 2) == 0
-            j = tirx.floordiv(d, 2)
-            partner = tirx.Select(first, d + 1, d - 1)
-        # Select evaluates both branches: keep the indices in range on the pass-through dims too.
-        j = tirx.Select(in_rot, j, zero)
-        partner = tirx.Select(in_rot, partner, d)
+            j = tirx.floormod(tirx.floordiv(d, 2), g.half)
+            partner = d + 1 - 2 * tirx.floormod(d, 2)
+            if g.n_rot < g.head_dim:  # an odd head_dim: the last pass-through dim has no d + 1
+                partner = tirx.floormod(partner, g.n_rot)
         # The TE tensor's own dims, not the Relax ones: call_te renames symbolic vars.
         row = idx[0] * act.shape[1] + idx[1] if g.per_token else idx[1]
         xv = act(*idx).astype(acc)
@@ -193,7 +197,7 @@ def _rope_te(act, cos, sin, g: RopeGeometry, sin_sign: float, name: str):
         c = cos[row, j].astype(acc)
         s = sin[row, j].astype(acc) * tirx.const(sin_sign, acc)
         # (a, b) -> (a c - b s, b c + a s)
-        rotated = xv * c + tirx.Select(first, -xp, xp) * s
+        rotated = xv * c + tirx.Select(first, tirx.const(-1.0, acc), tirx.const(1.0, acc)) * xp * s
         return tirx.Select(in_rot, rotated, xv).astype(dtype)
 
     return te.compute(act.shape, body, name=name)

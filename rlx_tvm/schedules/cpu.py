@@ -29,9 +29,11 @@ def _static(extent) -> int | None:
 
 
 class ParallelFallback(CPUScheduleRule):
-    """Any kernel: inline injective stages, then per remaining block parallelize the fused
-    leading spatial loops and vectorize: a static innermost spatial loop; a long contiguous row
-    reduction (as ``lanes`` partial sums); a column reduction (along its columns).
+    """Any kernel: inline injective stages; a kernel of row statistics and a last stage that
+    reads them per row (norm and softmax-CE backward) runs all its stages in one parallel loop over
+    the rows; otherwise per remaining block parallelize the fused leading spatial loops and
+    vectorize: a static innermost spatial loop; a long contiguous row reduction (as ``lanes``
+    partial sums); a column reduction (along its columns).
 
     Every output element is written by one thread only (reductions are never split across the
     parallel loop): race-free by construction, also for the gather-style scatter kernels.
@@ -46,6 +48,10 @@ class ParallelFallback(CPUScheduleRule):
             return None
         sch, blocks = found
         lanes = max(1, llvm_get_vector_width(target) // 32)
+        if len(blocks) > 1:
+            fused = self._fuse_rows(sch.copy(), blocks, lanes)
+            if fused is not None:
+                return fused
         # A window reduction read only by the next one over the same outputs (max-pool's window
         # max, then its argmax) is computed inside the consumer's vector chunks, where its values
         # are still in registers, instead of in a pass of its own.
@@ -65,6 +71,110 @@ class ParallelFallback(CPUScheduleRule):
                 sch.compute_at(producer.block_rv, chunk_loop)
                 self._vectorize_window(sch, producer.block_rv, len(producer.dom_kind().lstrip("S")))
         return sch
+
+    def _fuse_rows(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
+        """Multi-stage row kernels (norm backward: mean, variance, rstd, two more sums, then dx;
+        softmax-CE: max, sum, then the gradient): every stage computed inside one parallel loop
+        over the rows of the last stage, so that a row is read from memory once and its later
+        passes hit the cache (a pass of its own per stage streams the whole tensor each time).
+
+        Applied only when every earlier stage lands in the row loop without recomputation (its
+        work under the loop equals its own domain); None otherwise (``sch`` is then a spoiled
+        copy, to be dropped)."""
+        out = blocks[-1].block_rv
+        producers = [info.block_rv for info in blocks[:-1]]
+        # Only for stages that re-read long rows; small windows (pooling) are nested otherwise.
+        reduced = [_reduced_size(sch, p) for p in producers]
+        if not any(n is not None and n >= 16 * lanes for n in reduced) \
+                or any(n is not None and 0 < n <= SMALL_WINDOW for n in reduced):
+            return None
+        plan = _row_axis(sch, out, producers)
+        if plan is None:
+            return None
+        axis, group = plan
+        try:
+            # rfactor first: it takes only a block that is alone in its loop nest.
+            partials = {}
+            for block in [*producers, out]:
+                partial = self._vector_partial_sums(sch, block, lanes)
+                if partial is not None:
+                    partials[block] = partial
+            loops = sch.get_loops(out)
+            row = loops[axis]
+            if group > 1:
+                if (_static(sch.get(row).extent) or 1) % group:
+                    return None
+                row, _ = sch.split(row, factors=[None, group])
+            stages = []  # in program order: each producer after its partial sums
+            for block in [*producers, out]:
+                if block in partials:
+                    stages.append(partials[block][0])
+                if block is not out:
+                    stages.append(block)
+            sizes = [_block_domain(sch, st) for st in stages]
+            for stage in reversed(stages):
+                sch.compute_at(stage, row)
+            if None in sizes or [_work(sch, st) for st in stages] != sizes:
+                return None
+            self._parallel(sch, [*loops[:axis], row])
+            depth = 1  # the fused row loop
+            for partial, chains, width in partials.values():
+                # Regenerated in block-var order, rfactor's lane axis first (unit loops dropped).
+                lane_loop, *rest = sch.get_loops(partial)[depth:]
+                sch.reorder(*rest, lane_loop)
+                # Per-row partial sums in a local buffer: LLVM keeps them in registers (in the
+                # global scratch buffer every add is a store and a reload).
+                sch.set_scope(partial, 0, "local")
+                chain, vec = sch.split(lane_loop, factors=[chains, width])
+                sch.unroll(chain)
+                sch.vectorize(vec)
+            self._vectorize_inner(sch, out, depth, lanes)
+        except s_tir.ScheduleError:
+            return None
+        return sch
+
+    def _vector_partial_sums(self, sch: s_tir.Schedule, block, lanes: int) -> tuple | None:
+        """For a reduction over a contiguous innermost axis: split it into vectors and ``rfactor``
+        the lanes out, as ``chains`` independent vector accumulators for a long reduction (one
+        accumulator is a chain of dependent adds, one add latency per vector). Returns the
+        partial-sum block, the number of chains and the vector width; None (nothing changed) for
+        other blocks."""
+        stmt = sch.get(block)
+        n_spatial = _n_spatial(sch, block)
+        loops = sch.get_loops(block)
+        if n_spatial == len(stmt.iter_vars) or len(loops) != len(stmt.iter_vars) \
+                or not _is_row_reduction(sch, block, n_spatial):
+            return None
+        extents = [_static(sch.get(loop).extent) for loop in loops[n_spatial:]]
+        if None in extents or prod(extents) < 16 * lanes:
+            return None
+        width = next((w for w in (lanes, lanes // 2) if w > 1 and extents[-1] % w == 0), None)
+        if width is None:
+            return None
+        rows, vec = sch.split(loops[-1], factors=[None, width])
+        outside = [*loops[n_spatial:-1], rows]  # the reduction loops around the vector
+        steps = prod(extents) // width
+        # More chains cost as many more scalar adds when the lanes are summed: worth it only for
+        # rows much longer than the accumulators (group norm's 6272, not layer norm's 768).
+        chains = next((c for c in (4, 2) if steps >= 4 * c * width
+                       and any((_static(sch.get(lp).extent) or 0) % c == 0 for lp in outside)), 1)
+        if chains > 1:
+            k = max(i for i, lp in enumerate(outside) if _static(sch.get(lp).extent) % chains == 0)
+            _, chain = sch.split(outside[k], factors=[None, chains])
+            sch.reorder(*outside[k + 1:], chain, vec)
+            vec = sch.fuse(chain, vec)
+        return sch.rfactor(vec, factor_axis=len(stmt.writes[0].region)), chains, width
+
+    def _vectorize_inner(self, sch: s_tir.Schedule, block, depth: int, lanes: int) -> None:
+        """An elementwise stage under ``depth`` row loops: its innermost loop in vectors."""
+        loops = sch.get_loops(block)[depth:]
+        stmt = sch.get(block)
+        if not loops or _n_spatial(sch, block) != len(stmt.iter_vars) or not isinstance(stmt.body, tirx.BufferStore):
+            return
+        extent = _static(sch.get(loops[-1]).extent) or 0
+        width = next((w for w in (lanes, lanes // 2) if w > 1 and extent % w == 0), None)
+        if width is not None:
+            sch.vectorize(sch.split(loops[-1], factors=[None, width])[1])
 
     def _window_width(self, sch, info, lanes: int) -> int | None:
         """For a reduction over a small window (pooling: ``kh x kw`` taps) whose innermost output
@@ -321,3 +431,60 @@ def default_cpu_rules() -> list:
     row reductions), and put fake-quantize's full reduction ``max|x|`` under the consumer's parallel
     row loop, recomputing it once per row."""
     return [GEMV(), ParallelFallback()]
+
+
+def _row_axis(sch: s_tir.Schedule, out, producers: list) -> tuple[int, int] | None:
+    """Where the earlier stages' rows sit in the last stage ``out``: ``(axis, group)`` such that
+    every read of a producer's output indexes it with ``out``'s spatial loop ``axis`` (or
+    ``axis // group``, e.g. group norm's channel group ``c // (C/G)``) and outer ones; None when
+    the reads do not name a row."""
+    stmt = sch.get(out)
+    spatial = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
+    if len(spatial) != len([iv for iv in stmt.iter_vars]) - sum(
+            iv.iter_type == tirx.IterVar.CommReduce for iv in stmt.iter_vars):
+        return None
+    written = {sch.get(p).writes[0].source for p in producers if len(sch.get(p).writes) == 1}
+    if len(written) != len(producers):
+        return None
+    deepest, group = -1, 1
+    for read in stmt.reads:
+        if not any(read.source.same_as(b) for b in written):
+            continue
+        for rng in read.region:
+            index = rng.min
+            if isinstance(index, tirx.FloorDiv) and isinstance(index.b, tirx.IntImm):
+                index, div = index.a, index.b.value
+            else:
+                div = 1
+            axis = next((k for k, v in enumerate(spatial) if v.same_as(index)), None)
+            if axis is None:
+                if any(_uses(rng.min, v) for v in spatial):
+                    return None  # an index mixing output axes: no row of its own
+                continue
+            if axis > deepest:
+                deepest, group = axis, div
+            elif axis == deepest and div != group:
+                return None
+    return None if deepest < 0 else (deepest, group)
+
+
+def _n_spatial(sch: s_tir.Schedule, block) -> int:
+    return sum(iv.iter_type == tirx.IterVar.DataPar for iv in sch.get(block).iter_vars)
+
+
+def _reduced_size(sch: s_tir.Schedule, block) -> int | None:
+    """The number of reduced elements per output of a block (0: no reduction; None: symbolic)."""
+    extents = [_static(iv.dom.extent) for iv in sch.get(block).iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    return None if None in extents else (prod(extents) if extents else 0)
+
+
+def _block_domain(sch: s_tir.Schedule, block) -> int | None:
+    """The number of iterations of a block (static domains only)."""
+    extents = [_static(iv.dom.extent) for iv in sch.get(block).iter_vars]
+    return None if None in extents else prod(extents)
+
+
+def _work(sch: s_tir.Schedule, block) -> int | None:
+    """Iterations a block executes where it is now: the product of its enclosing loops."""
+    extents = [_static(sch.get(loop).extent) for loop in sch.get_loops(block)]
+    return None if None in extents else prod(extents)

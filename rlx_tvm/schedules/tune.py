@@ -125,7 +125,7 @@ class TaskResult:
     name: str
     trials: int  # records in the database for this task after tuning
     best_us: float | None  # best measured latency, microseconds
-    status: str  # "tuned", "resumed" (already complete), or "failed: <reason>"
+    status: str  # "tuned", "resumed" (already complete), SKIPPED, or "failed: <reason>"
 
 
 def _records(db: ms.database.Database, mod: tvm.IRModule):
@@ -142,6 +142,9 @@ def _best_us(records) -> float | None:
     return min(secs) * 1e6 if secs else None
 
 
+SKIPPED = "skipped: time budget spent"  # the status of a task not started for lack of time
+
+
 def tune(
     mod,
     target: tvm.target.Target | None = None,
@@ -151,12 +154,15 @@ def tune(
     seed: int = 0,
     verbose: bool = True,
     runner: ms.runner.Runner | None = None,
+    time_budget: float | None = None,
 ) -> list[TaskResult]:
     """Tune every kernel of ``mod`` with ``trials`` measured candidates each, recording into
     ``work_dir``'s JSON database. ``mod`` is a Relax module (rlx ops allowed), or ``"suite"`` or a
     list of :class:`~rlx_tvm.schedules.suite.SuiteKernel` for the benchmark suite at full shapes.
     Candidates are measured locally, or by ``runner`` (e.g. :func:`rpc_runner`: remote devices
-    through TVM's RPC tracker). Prints one line per task."""
+    through TVM's RPC tracker). With ``time_budget`` (seconds), no task starts once it is spent
+    (a started one finishes): the rest are reported as skipped and a later call resumes them from
+    the database. Prints one line per task."""
     from ..build import lower
     from .suite import SuiteKernel, suite_ir_module
 
@@ -174,15 +180,18 @@ def tune(
     builder = ms.builder.LocalBuilder(f_build=build_candidate, max_workers=os.cpu_count() or 1, timeout_sec=60)
     runner = runner or ms.runner.LocalRunner(evaluator_config=_evaluator())
     results = []
+    deadline = None if time_budget is None else time.time() + time_budget
     for i, task in enumerate(tasks):
         task_mod = task.dispatched[0]
         done = _records(db, task_mod)
         label = f"[{i + 1}/{len(tasks)}] {task.task_name}"
-        if len(done) >= trials:
+        if len(done) >= trials or (deadline is not None and time.time() >= deadline):
             best = _best_us(done)
-            results.append(TaskResult(task.task_name, len(done), best, "resumed"))
+            status = "resumed" if len(done) >= trials else SKIPPED
+            results.append(TaskResult(task.task_name, len(done), best, status))
             if verbose:
-                print(f"{label}: {len(done)} records already, best {_fmt(best)}", flush=True)
+                print(f"{label}: {len(done)} records already, best {_fmt(best)}"
+                      + ("" if status == "resumed" else f" ({status})"), flush=True)
             continue
         start = time.time()
         _drop_unnamed_log_handlers()
