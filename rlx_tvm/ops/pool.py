@@ -39,6 +39,7 @@ from tvm.script import tirx as T
 from ._math import acc_dtype, clamp_index, tensor_dtype
 from .conv import check_pair, check_padding, check_window_fits, same_dim, span, static_dims, window_geometry
 from .registry import Attr, check_bool, check_optional, define_op
+from ..schedules.common import KEEP_STAGE
 
 NEG_INF = float("-inf")
 
@@ -159,19 +160,33 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
     def is_real(y, xx):  # padded-frame coordinates inside the input
         return tirx.all(y >= pt, y < pt + h, xx >= pl, xx < pl + w)
 
+    target = tvm.target.Target.current(allow_none=True)
+    on_gpu = target is not None and "gpu" in target.keys
+
     def argmax_kernel(xt: te.Tensor):
         n, c = xt.shape[:2]
+        if on_gpu:
+            def frame(b, ch, y, xx):
+                # A select of a clamped (always in-bounds) read. Its condition is "the clamp
+                # changed nothing", not the bounds themselves: under a bounds condition TVM's
+                # simplifier proves the clamp redundant and drops it, and the read that the
+                # select evaluates anyway goes out of bounds at the padding.
+                yc, xc = clamp_index(y - pt, h), clamp_index(xx - pl, w)
+                return tirx.Select(tirx.all(yc == y - pt, xc == xx - pl), xt[b, ch, yc, xc].astype(acc), neg_inf)
 
-        def frame(b, ch, y, xx):
-            # A select of a clamped (always in-bounds) read rather than a guarded read: both sides
-            # evaluate, so the window loops vectorize (a guarded load stays scalar). Its condition
-            # is "the clamp changed nothing", not the bounds themselves: under a bounds condition
-            # TVM's simplifier proves the clamp redundant and drops it, and the read that the
-            # select evaluates anyway goes out of bounds at the padding.
-            yc, xc = clamp_index(y - pt, h), clamp_index(xx - pl, w)
-            return tirx.Select(tirx.all(yc == y - pt, xc == xx - pl), xt[b, ch, yc, xc].astype(acc), neg_inf)
+            framed = te.compute((n, c, hp, wp), frame, name="framed")
+        else:
+            # CPU: the padded frame is a stage of its own, which the default schedule computes
+            # per output row (its border filled, its interior copied: decompose_padding), so that
+            # the window loops read it without a bounds check or a clamp and vectorize.
+            framed = te.compute(
+                (n, c, hp, wp),
+                lambda b, ch, y, xx: tirx.if_then_else(is_real(y, xx), xt[b, ch, y - pt, xx - pl].astype(acc), neg_inf),
+                name="framed", attrs=KEEP_STAGE)
+        return window_argmax(framed)
 
-        framed = te.compute((n, c, hp, wp), frame, name="framed")
+    def window_argmax(framed: te.Tensor):
+        n, c = framed.shape[:2]
         i, j = te.reduce_axis((0, kh), name="i"), te.reduce_axis((0, kw), name="j")
         best = te.compute(
             (n, c, ho, wo),
@@ -234,8 +249,7 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
     # Two kernels: with the argmax a kernel parameter of the gather, TIR lowering does not have to
     # bound the gather's data-dependent reads of an intermediate buffer.
     winner = bb.emit(bb.call_te(argmax_kernel, x, primfunc_name_hint="rlx_max_pool2d_argmax"))
-    target = tvm.target.Target.current(allow_none=True)
-    if target is not None and "gpu" in target.keys:
+    if on_gpu:
         return bb.call_te(gather_kernel, winner, dy, primfunc_name_hint="rlx_max_pool2d_backward")
     n, c = x.ty.shape.values[:2]
     scatter = _scatter_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl))

@@ -19,7 +19,7 @@ from tvm.sym import detect_linear_equation
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
-from .common import inlined_blocks
+from .common import _kept, inlined_blocks
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
 
@@ -62,15 +62,52 @@ class ParallelFallback(CPUScheduleRule):
                     and _same_domain(producer, consumer):
                 nested[consumer.name] = producer
         inner = {info.name for info in nested.values()}
+        # A kept padded copy read only by window reductions (max-pool's frame): computed per row
+        # of the windows, below, instead of in a pass of its own.
+        frames = [info for info in blocks if _kept(sch, info.block_rv) and set(info.dom_kind()) == {"S"}
+                  and _consumers_are(sch, info.block_rv, [*nested, *inner])]
+        windows = []
         for info in blocks:
-            if info.name in inner:
+            if info.name in inner or info in frames:
                 continue
             chunk_loop = self._schedule_block(sch, info, lanes)
             if info.name in nested and chunk_loop is not None:
                 producer = nested[info.name]
                 sch.compute_at(producer.block_rv, chunk_loop)
                 self._vectorize_window(sch, producer.block_rv, len(producer.dom_kind().lstrip("S")))
+                windows.append((info.block_rv, chunk_loop))
+        for info in frames:
+            self._schedule_frame(sch, info, windows, lanes)
         return sch
+
+    def _schedule_frame(self, sch: s_tir.Schedule, info, windows: list, lanes: int) -> None:
+        """A padded copy of the input (``if_then_else`` of a read, else the pad value) consumed by
+        window reductions: the rows one row of windows needs are computed under that row's
+        parallel iteration, split by ``decompose_padding`` into a fill of the pad value and a copy
+        of the interior, which needs no bounds check and vectorizes. The windows then read the
+        frame with neither checks nor clamps. Without a window loop: a pass of its own."""
+        depth = None
+        if len(windows) == 1:
+            block, chunk = windows[0]
+            loops = sch.get_loops(block)
+            depth = next(k for k, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(chunk)))
+        if not depth:
+            self._schedule_block(sch, info, lanes)
+            return
+        sch.compute_at(info.block_rv, loops[depth - 1])
+        # Local: each iteration gets its own rows (neighbouring rows of windows overlap, and a
+        # shared frame would be refilled by one thread while another reads it).
+        sch.set_scope(info.block_rv, 0, "local")
+        frame_loops = sch.get_loops(info.block_rv)[depth:]
+        try:
+            sch.decompose_padding(info.block_rv, frame_loops[0])
+        except s_tir.ScheduleError:
+            return  # stays one guarded loop: correct, scalar
+        copy_inner = sch.get_loops(info.block_rv)[-1]
+        extent = _static(sch.get(copy_inner).extent)
+        if extent is not None and extent >= lanes:
+            _, vec = sch.split(copy_inner, factors=[None, lanes])
+            sch.vectorize(vec)
 
     def _fuse_rows(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
         """Multi-stage row kernels (norm backward: mean, variance, rstd, two more sums, then dx;
@@ -488,3 +525,9 @@ def _work(sch: s_tir.Schedule, block) -> int | None:
     """Iterations a block executes where it is now: the product of its enclosing loops."""
     extents = [_static(sch.get(loop).extent) for loop in sch.get_loops(block)]
     return None if None in extents else prod(extents)
+
+
+def _consumers_are(sch: s_tir.Schedule, block, names: list) -> bool:
+    consumers = sch.get_consumers(block)
+    return bool(consumers) and all(sch.get(c).name_hint in names for c in consumers)
+
