@@ -11,7 +11,7 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 KEEP_STAGE = {"meta_schedule.inline_rule": "disable"}
 
 
-def _kept(sch: s_tir.Schedule, block_rv) -> bool:
+def is_kept(sch: s_tir.Schedule, block_rv) -> bool:
     rule = sch.get(block_rv).annotations.get("meta_schedule.inline_rule")
     return rule is not None and str(rule) == "disable"
 
@@ -21,7 +21,7 @@ def try_inline(sch: s_tir.Schedule, blocks: list) -> list:
     blocks annotated with :data:`KEEP_STAGE` in place."""
     while True:
         for i, info in enumerate(blocks):
-            if _kept(sch, info.block_rv):
+            if is_kept(sch, info.block_rv):
                 continue
             try:
                 sch.compute_inline(info.block_rv)

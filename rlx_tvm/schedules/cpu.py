@@ -19,7 +19,7 @@ from tvm.sym import detect_linear_equation
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
-from .common import _kept, inlined_blocks
+from .common import inlined_blocks, is_kept
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
 
@@ -64,7 +64,7 @@ class ParallelFallback(CPUScheduleRule):
         inner = {info.name for info in nested.values()}
         # A kept padded copy read only by window reductions (max-pool's frame): computed per row
         # of the windows, below, instead of in a pass of its own.
-        frames = [info for info in blocks if _kept(sch, info.block_rv) and set(info.dom_kind()) == {"S"}
+        frames = [info for info in blocks if is_kept(sch, info.block_rv) and set(info.dom_kind()) == {"S"}
                   and _consumers_are(sch, info.block_rv, [*nested, *inner])]
         windows = []
         for info in blocks:
@@ -104,9 +104,10 @@ class ParallelFallback(CPUScheduleRule):
         except s_tir.ScheduleError:
             return  # stays one guarded loop: correct, scalar
         copy_inner = sch.get_loops(info.block_rv)[-1]
-        extent = _static(sch.get(copy_inner).extent)
-        if extent is not None and extent >= lanes:
-            _, vec = sch.split(copy_inner, factors=[None, lanes])
+        extent = _static(sch.get(copy_inner).extent) or 0
+        width = next((w for w in (lanes, lanes // 2) if w > 1 and extent % w == 0), None)
+        if width is not None:
+            _, vec = sch.split(copy_inner, factors=[None, width])
             sch.vectorize(vec)
 
     def _fuse_rows(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
