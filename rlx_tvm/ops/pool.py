@@ -36,10 +36,10 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
+from ..schedules.common import KEEP_STAGE
 from ._math import acc_dtype, clamp_index, tensor_dtype
 from .conv import check_pair, check_padding, check_window_fits, same_dim, span, static_dims, window_geometry
 from .registry import Attr, check_bool, check_optional, define_op
-from ..schedules.common import KEEP_STAGE
 
 NEG_INF = float("-inf")
 

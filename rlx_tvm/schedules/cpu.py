@@ -104,8 +104,7 @@ class ParallelFallback(CPUScheduleRule):
         except s_tir.ScheduleError:
             return  # stays one guarded loop: correct, scalar
         copy_inner = sch.get_loops(info.block_rv)[-1]
-        extent = _static(sch.get(copy_inner).extent) or 0
-        width = next((w for w in (lanes, lanes // 2) if w > 1 and extent % w == 0), None)
+        width = _vector_width(_static(sch.get(copy_inner).extent), lanes)
         if width is not None:
             _, vec = sch.split(copy_inner, factors=[None, width])
             sch.vectorize(vec)
@@ -186,7 +185,7 @@ class ParallelFallback(CPUScheduleRule):
         extents = [_static(sch.get(loop).extent) for loop in loops[n_spatial:]]
         if None in extents or prod(extents) < 16 * lanes:
             return None
-        width = next((w for w in (lanes, lanes // 2) if w > 1 and extents[-1] % w == 0), None)
+        width = _vector_width(extents[-1], lanes)
         if width is None:
             return None
         rows, vec = sch.split(loops[-1], factors=[None, width])
@@ -209,8 +208,7 @@ class ParallelFallback(CPUScheduleRule):
         stmt = sch.get(block)
         if not loops or _n_spatial(sch, block) != len(stmt.iter_vars) or not isinstance(stmt.body, tirx.BufferStore):
             return
-        extent = _static(sch.get(loops[-1]).extent) or 0
-        width = next((w for w in (lanes, lanes // 2) if w > 1 and extent % w == 0), None)
+        width = _vector_width(_static(sch.get(loops[-1]).extent), lanes)
         if width is not None:
             sch.vectorize(sch.split(loops[-1], factors=[None, width])[1])
 
@@ -224,7 +222,7 @@ class ParallelFallback(CPUScheduleRule):
         extents = [_iter_extent(it) for it in info.iters]
         if None in extents or prod(extents[n_lead:]) > SMALL_WINDOW:
             return None
-        return next((w for w in (lanes, lanes // 2) if w > 1 and extents[n_lead - 1] % w == 0), None)
+        return _vector_width(extents[n_lead - 1], lanes)
 
     def _vectorize_window(self, sch, block, n_reduced: int) -> None:
         """A window reduction that ``compute_at`` put inside a consumer's vector chunk (its new
@@ -272,7 +270,7 @@ class ParallelFallback(CPUScheduleRule):
         # holds loops of its own (a serial scan per row): those stay scalar under the parallel loop.
         if n_lead == len(loops) and isinstance(sch.get(block).body, tirx.BufferStore):
             inner_extent = _static(sch.get(lead[-1]).extent) or 0
-            width = next((w for w in (lanes, lanes // 2) if w > 1 and inner_extent % w == 0), None)
+            width = _vector_width(inner_extent, lanes)
             if width is not None and inner_extent >= width:  # rows of 56: half vectors
                 outer, vec = sch.split(lead[-1], factors=[None, width])
                 sch.vectorize(vec)
@@ -332,7 +330,7 @@ class ParallelFallback(CPUScheduleRule):
             return False
         # The widest vector that divides the innermost extent: a reduction over several short
         # axes (group norm's channels-of-group x H x W, W = 56) takes half vectors.
-        width = next((w for w in (lanes, lanes // 2) if w > 1 and extents[-1] % w == 0), None)
+        width = _vector_width(extents[-1], lanes)
         if width is None:
             return False
         rows, vec = sch.split(inner, factors=[None, width])
@@ -355,6 +353,14 @@ class ParallelFallback(CPUScheduleRule):
         if extent is None or extent >= self.min_parallel_extent:
             sch.parallel(fused)
         return fused
+
+
+def _vector_width(extent: int | None, lanes: int) -> int | None:
+    """The widest vector, a whole one or a half (rows of 56: 8 lanes of 16), that divides a static
+    ``extent``; None for a symbolic extent or when neither divides it."""
+    if not extent:
+        return None
+    return next((w for w in (lanes, lanes // 2) if w > 1 and extent % w == 0), None)
 
 
 def _iter_extent(it) -> int | None:
@@ -477,10 +483,9 @@ def _row_axis(sch: s_tir.Schedule, out, producers: list) -> tuple[int, int] | No
     ``axis // group``, e.g. group norm's channel group ``c // (C/G)``) and outer ones; None when
     the reads do not name a row."""
     stmt = sch.get(out)
-    spatial = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
-    if len(spatial) != len([iv for iv in stmt.iter_vars]) - sum(
-            iv.iter_type == tirx.IterVar.CommReduce for iv in stmt.iter_vars):
+    if any(iv.iter_type not in (tirx.IterVar.DataPar, tirx.IterVar.CommReduce) for iv in stmt.iter_vars):
         return None
+    spatial = [iv.var for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
     written = {sch.get(p).writes[0].source for p in producers if len(sch.get(p).writes) == 1}
     if len(written) != len(producers):
         return None
@@ -531,4 +536,3 @@ def _work(sch: s_tir.Schedule, block) -> int | None:
 def _consumers_are(sch: s_tir.Schedule, block, names: list) -> bool:
     consumers = sch.get_consumers(block)
     return bool(consumers) and all(sch.get(c).name_hint in names for c in consumers)
-
