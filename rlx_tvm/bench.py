@@ -10,8 +10,9 @@ For every suite kernel (:mod:`rlx_tvm.schedules.suite`) and in one process:
 * ``torch``: PyTorch eager CPU, the backward only (``torch.autograd.grad`` on a saved forward),
   when torch is installed.
 
-Repeats are interleaved (round r times every variant once), each timing averages enough calls
-to last ``min_ms``, and the median over repeats is reported. TVM and torch use the same thread
+Repeats are interleaved (round r times every variant once, starting at a different variant each
+round), each timing averages enough calls to last ``min_ms`` and follows a pause of ``settle_ms``,
+and the median over repeats is reported. TVM and torch use the same thread
 count. A parallel copy kernel measured in the same run gives the machine's copy bandwidth, the
 yardstick for memory-bound kernels; compute-bound ones (conv, attention) report GFLOP/s.
 """
@@ -29,6 +30,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 VARIANTS = ("tuned", "default", "tvm", "torch")
+
+# Pause before each timing. PyTorch's OpenMP workers and TVM's thread pool keep spinning for a while
+# after a parallel call; on 2 cores a kernel timed right after the other runtime shares the CPUs
+# with them (group norm backward: 1.7-2.0 ms right after torch, 0.9-1.0 ms after a 50 ms pause).
+# The order is rotated per round as well, so that no variant always follows the same one.
+SETTLE_MS = 100.0
 
 
 @dataclass
@@ -111,7 +118,7 @@ def _torch_runner(kernel, inputs):
 
 def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int | None = None,
               tuning_log: str | None = "auto", use_torch: bool = True, scale: str = "full",
-              progress=print) -> dict:
+              settle_ms: float = SETTLE_MS, progress=print) -> dict:
     """Time the suite; returns the JSON-able result (also what :func:`format_table` prints)."""
     threads = threads or os.cpu_count() or 1
     os.environ["TVM_NUM_THREADS"] = str(threads)  # before TVM's thread pool starts
@@ -166,14 +173,16 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
             runners["torch"] = _torch_runner(kernel, inputs)
         timers = {name: _calibrated(run, min_ms) for name, run in runners.items()}
         samples: dict[str, list[float]] = {name: [] for name in timers}
-        for _ in range(repeats):  # interleaved: every variant once per round
-            for name, timer in timers.items():
-                samples[name].append(timer())
+        names = list(timers)
+        for r in range(repeats):  # interleaved: every variant once per round, in rotated order
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                time.sleep(settle_ms / 1e3)
+                samples[name].append(timers[name]())
         res.ms = {name: statistics.median(v) for name, v in samples.items()}
         results.append(res)
         progress(f"[{i + 1}/{len(selected)}] {kernel.name}: "
                  + ", ".join(f"{n} {ms:.3f} ms" for n, ms in res.ms.items()) + f"  ({time.time() - t0:.0f} s)")
-    return _report(results, copy_gbps, threads, target, log, repeats)
+    return _report(results, copy_gbps, threads, target, log, repeats, settle_ms)
 
 
 def _geomean(xs):
@@ -181,7 +190,7 @@ def _geomean(xs):
     return float(np.exp(np.mean(np.log(xs)))) if xs else None
 
 
-def _report(results, copy_gbps, threads, target, log, repeats) -> dict:
+def _report(results, copy_gbps, threads, target, log, repeats, settle_ms=SETTLE_MS) -> dict:
     best = "tuned" if all("tuned" in r.ms for r in results) else "default"
     vs_torch = [r.ms[best] / r.ms["torch"] for r in results if "torch" in r.ms]
     vs_tvm = [r.ms["tvm"] / r.ms[best] for r in results]
@@ -189,7 +198,7 @@ def _report(results, copy_gbps, threads, target, log, repeats) -> dict:
     return {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": sys.version.split()[0]},
-        "target": str(target), "threads": threads, "repeats": repeats, "tuning_log": log,
+        "target": str(target), "threads": threads, "repeats": repeats, "settle_ms": settle_ms, "tuning_log": log,
         "copy_gbps": copy_gbps, "compared": best,
         "kernels": [dict(asdict(r), rate=r.rate(best)) for r in results],
         "summary": {

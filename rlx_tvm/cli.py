@@ -107,7 +107,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     report = run_bench(_kernel_names(args.kernels), repeats=args.repeats, min_ms=args.min_ms, threads=args.threads,
                        tuning_log=args.tuning_log or "auto", use_torch=not args.no_torch, scale=args.scale,
-                       progress=lambda m: print(m, flush=True))
+                       settle_ms=args.settle_ms, progress=lambda m: print(m, flush=True))
     print()
     print(format_table(report))
     if args.json:
@@ -227,13 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Times each suite kernel compiled four ways in one process: rlx_tvm with the tuning log, rlx_tvm "
             "with default schedules, TVM's own formulation (relax.op.grad ops, else the decomposition) with "
-            "plain tvm.compile, and PyTorch eager backward (when installed); interleaved repeats, median, "
+            "plain tvm.compile, and PyTorch eager backward (when installed); interleaved repeats in rotated "
+            "order with a pause before each timing, median, "
             "same thread count; GB/s against a copy kernel measured in the same run (GFLOP/s for conv and "
             "attention). Prints a table; --json writes the numbers."),
     )
     be.add_argument("--kernels", help=kernels_help)
     be.add_argument("--repeats", type=int, default=7, help="interleaved repeats; the median is reported (default 7)")
     be.add_argument("--min-ms", type=float, default=50.0, help="each timing averages calls for at least this long")
+    be.add_argument("--settle-ms", type=float, default=100.0,
+                    help="pause before each timing, so that the thread pool of the variant timed before "
+                         "(PyTorch's OpenMP, TVM's) has stopped spinning (default 100)")
     be.add_argument("--threads", type=int, default=None, help="threads for TVM and torch (default: all CPUs)")
     be.add_argument("--tuning-log", help="tuning log directory (default: the committed log of this CPU)")
     be.add_argument("--no-torch", action="store_true", help="leave PyTorch out even when installed")
