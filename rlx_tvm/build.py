@@ -10,6 +10,7 @@ import tvm
 from tvm import relax
 from tvm.s_tir import dlight as dl
 
+from .passes import FuseSiblingBackwardOps
 from .schedules import default_cpu_rules
 from .schedules.gpu import schedule_gpu
 
@@ -91,7 +92,8 @@ class Lowering:
 
 def lower(mod: tvm.IRModule, target="llvm", schedule: bool = True, tuning_log: str | None = "auto",
           verbose: bool = True) -> tvm.IRModule:
-    """Legalize (fused rlx kernels included) and fuse; then apply the tuned schedules of
+    """Legalize (fused rlx kernels included; on CPU, sibling backward ops such as attention's dq,
+    dk and dv in one kernel) and fuse; then apply the tuned schedules of
     ``tuning_log`` (a MetaSchedule JSON database; ``"auto"``: the committed log of this target, if
     any; None: none) to the kernels it has records for, and default schedules to every other
     kernel. A log tuned for another target is not applied (and says so). Returns the Relax module,
@@ -103,6 +105,10 @@ def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, t
                       verbose: bool = True) -> tuple[tvm.IRModule, Lowering]:
     """:func:`lower`, also returning a :class:`Lowering` report."""
     target = _as_target(target)
+    if target.kind.name == "llvm":
+        # Sibling backward ops (attention's dq/dk/dv) in one kernel each. CPU only for now: the GPU
+        # rules have not been checked on the multi-output kernels.
+        mod = FuseSiblingBackwardOps()(mod)
     with target:  # fused kernels may pick a formulation per target (cumsum_backward does)
         mod = tvm.transform.Sequential(
             [

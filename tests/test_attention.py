@@ -434,3 +434,71 @@ def test_higher_orders_through_the_attention_gradient_rules():
     cases = _grad_cases()
     check_second_order(cases)
     check_nth_order(cases, order=3)
+
+
+# -- dq, dk and dv computed together (FuseSiblingBackwardOps, applied by rlx_tvm.compile on CPU) ------
+
+
+def _siblings_module(dtype, symbolic, groups):
+    """One function per (option, subset of q/k/v): the gradients asked of one attention,
+    returned as a tuple."""
+    bb = relax.BlockBuilder()
+    expected = []
+    for i, ((label, dims, attrs, bias_shape, symbolic_dim), wrts) in enumerate(groups):
+        ins = _inputs(dims, bias_shape, np.random.default_rng(i))
+        case = Case("attention_backward", ins, {"wrt": "q", **attrs}, batch=_batch(ins, symbolic_dim))
+        n = tvm.tirx.Var("n", "int64")
+        spec = case.batch if symbolic else None
+        params = [relax.Var(name, relax.TensorType(
+            [n if (spec or {}).get(name) == axis else d for axis, d in enumerate(a.shape)], dtype))
+            for name, a in ins.items()]
+        with bb.function(f"group_{i}", params):
+            with bb.dataflow():
+                outs = [bb.emit(attention_backward_op(*params[:4], *params[4:], wrt=w, **attrs)) for w in wrts]
+                gv = bb.emit_output(relax.Tuple(outs))
+            bb.emit_func_output(gv)
+        refs = [Case("attention_backward", ins, {"wrt": w, **attrs}).reference(dtype) for w in wrts]
+        expected.append((ins, refs))
+    return bb.get(), expected
+
+
+@pytest.mark.parametrize("dtype,symbolic", [("float32", False), ("float64", False), ("float64", True)])
+def test_gradients_asked_together_share_one_kernel(dtype, symbolic):
+    import rlx_tvm
+    from rlx_tvm.passes import FuseSiblingBackwardOps
+
+    # Every option with all three gradients; pairs (and a repeated one) on the first two.
+    groups = [(o, "qkv") for o in OPTIONS if not symbolic or o[4] is not None]
+    groups += [(OPTIONS[1], "kv"), (OPTIONS[2], "qk"), (OPTIONS[0], "vqv")]
+    mod, expected = _siblings_module(dtype, symbolic, groups)
+    fused = FuseSiblingBackwardOps()(mod)
+    for i, (_, wrts) in enumerate(groups):
+        calls = []
+        relax.analysis.post_order_visit(fused[f"group_{i}"], lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
+        assert [c.op.name for c in calls] == ["relax.call_tir"], f"group {i} ({wrts}): {[c.op.name for c in calls]}"
+        assert len(calls[0].ty.fields) == len(set(wrts))
+    vm = relax.VirtualMachine(rlx_tvm.compile(mod, FAST_LLVM, tuning_log=None, verbose=False), tvm.cpu())
+    failures = []
+    for i, ((label, *_), wrts) in enumerate(groups):
+        ins, refs = expected[i]
+        outs = vm[f"group_{i}"](*[tvm.runtime.tensor(a.astype(dtype)) for a in ins.values()])
+        for w, out, ref in zip(wrts, outs, refs):
+            if (problem := compare(out.numpy(), ref, dtype)):
+                failures.append(f"{label} d{w}: {problem}")
+    assert not failures, "\n".join(failures)
+
+
+def test_gradients_of_different_attentions_stay_apart():
+    from rlx_tvm.passes import FuseSiblingBackwardOps
+
+    q, k, v, dy = (tensor_var(n, (1, 4, 2, 8)) for n in ("q", "k", "v", "dy"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v, dy]):
+        with bb.dataflow():
+            a = bb.emit(attention_backward_op(q, k, v, dy, wrt="q", causal_mask="TopLeft"))
+            b = bb.emit(attention_backward_op(q, k, v, dy, wrt="k"))  # another mask: another attention
+            c = bb.emit(attention_backward_op(q, v, k, dy, wrt="v", causal_mask="TopLeft"))  # k, v swapped
+            gv = bb.emit_output(relax.Tuple([a, b, c]))
+        bb.emit_func_output(gv)
+    fused = FuseSiblingBackwardOps()(bb.get())
+    tvm.ir.assert_structural_equal(fused, bb.get())

@@ -37,7 +37,7 @@ from tvm.sym import Analyzer
 
 from ..schedules.common import KEEP_STAGE
 from ._math import acc_dtype, tensor_dtype, tir_exp, tir_tanh
-from .registry import Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape
+from .registry import Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape, fuse_siblings
 
 CAUSAL_MASKS = ("TopLeft", "BottomRight")
 
@@ -412,18 +412,44 @@ def _te_attention(q, k, v, bias, **attrs):
 
 
 def _te_attention_backward(q, k, v, dy, bias, wrt, **attrs):
+    """The gradients named by ``wrt`` ("q", "k", "v", or several of them, e.g. "qkv"), one
+    output each in that order. Asked together they share one set of scores, probabilities and dS:
+    five products over (Sq, Sk) tiles for all three, where one kernel per gradient takes eight."""
     a = _TeAttention(q, k, v, bias, **attrs)
-    if wrt == "v":
+    outs = {}
+    if "v" in wrt:
         rg, ri = te.reduce_axis((0, a.g), "g"), te.reduce_axis((0, a.sq), "i")
-        dv = te.compute(
+        outs["v"] = te.compute(
             (a.b, a.sk, a.hkv, a.dv),
             lambda b, j, c, e: te.sum(
                 a.prob(b, c * a.g + rg, ri, j) * a.load(dy, b, ri, c * a.g + rg, e), axis=[rg, ri]
             ),
             name="dv",
         )
-        return a.output(dv)
+    if "q" in wrt or "k" in wrt:
+        ds_scaled = _te_scaled_ds(a, v, dy)
+    if "q" in wrt:
+        rj = te.reduce_axis((0, a.sk), "j")
+        outs["q"] = te.compute(
+            (a.b, a.sq, a.h, a.d),
+            lambda b, i, h, d: te.sum(ds_scaled(b, h, i, rj) * a.load(k, b, rj, a.kv(h), d), axis=rj),
+            name="dq",
+        )
+    if "k" in wrt:
+        rg, ri = te.reduce_axis((0, a.g), "g"), te.reduce_axis((0, a.sq), "i")
+        outs["k"] = te.compute(
+            (a.b, a.sk, a.hkv, a.d),
+            lambda b, j, c, d: te.sum(ds_scaled(b, c * a.g + rg, ri, j) * a.load(q, b, ri, c * a.g + rg, d),
+                                      axis=[rg, ri]),
+            name="dk",
+        )
+    results = [a.output(outs[w]) for w in wrt]
+    return results[0] if len(results) == 1 else results
 
+
+def _te_scaled_ds(a: _TeAttention, v, dy):
+    """scale * dS = scale * P * (dP - rowsum(P * dP)), dP = dY V^T (times the softcap's
+    derivative when capped), kept materialized: dQ and dK read each element D times."""
     v_t = transposed_keys(v, name="v_t")
     re = te.reduce_axis((0, a.dv), "e")
     dp = te.compute(
@@ -439,27 +465,10 @@ def _te_attention_backward(q, k, v, dy, bias, wrt, **attrs):
     )
 
     def scaled_ds(b, h, i, j):
-        """scale * dS: the softmax adjoint, times the softcap's derivative when capped."""
         ds = a.prob(b, h, i, j) * (dp(b, h, i, j) - delta(b, h, i)) * a.scale
         return ds * a.softcap_grad(b, h, i, j) if a.softcap is not None else ds
 
-    ds_scaled = te.compute((a.b, a.h, a.sq, a.sk), scaled_ds, name="scaled_ds", attrs=KEEP_STAGE)
-
-    if wrt == "q":
-        rj = te.reduce_axis((0, a.sk), "j")
-        dq = te.compute(
-            (a.b, a.sq, a.h, a.d),
-            lambda b, i, h, d: te.sum(ds_scaled(b, h, i, rj) * a.load(k, b, rj, a.kv(h), d), axis=rj),
-            name="dq",
-        )
-        return a.output(dq)
-    rg, ri = te.reduce_axis((0, a.g), "g"), te.reduce_axis((0, a.sq), "i")
-    dk = te.compute(
-        (a.b, a.sk, a.hkv, a.d),
-        lambda b, j, c, d: te.sum(ds_scaled(b, c * a.g + rg, ri, j) * a.load(q, b, ri, c * a.g + rg, d), axis=[rg, ri]),
-        name="dk",
-    )
-    return a.output(dk)
+    return te.compute((a.b, a.h, a.sq, a.sk), scaled_ds, name="scaled_ds", attrs=KEEP_STAGE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,6 +564,28 @@ def _attention_backward_fused(bb, q, k, v, dy, bias=None, *, wrt, **attrs):
     return bb.call_te(
         _te_attention_backward, q, k, v, dy, bias, wrt, **attrs, primfunc_name_hint=f"rlx_attention_backward_{wrt}"
     )
+
+
+def _sibling_key(opdef, call):
+    """dq, dk and dv of one attention: same operands, same attributes but ``wrt``."""
+    attrs = opdef.call_attrs(call)
+    attrs.pop("wrt")
+    return (*call.args, *sorted((k, repr(v)) for k, v in attrs.items()))
+
+
+@fuse_siblings(attention_backward, key=_sibling_key)
+def _attention_backward_together(bb, members):
+    """One kernel for the gradients asked of one attention (five products over the (Sq, Sk) tiles
+    instead of eight for dq, dk and dv apart, and one softmax instead of three)."""
+    opdef, first = members[0]
+    wrts = [opdef.call_attrs(call)["wrt"] for _, call in members]
+    unique = "".join(dict.fromkeys(wrts))
+    attrs = opdef.call_attrs(first)
+    attrs.pop("wrt")
+    q, k, v, dy, bias = opdef.call_args(first)
+    together = bb.emit(bb.call_te(_te_attention_backward, q, k, v, dy, bias, unique, **attrs,
+                                  primfunc_name_hint=f"rlx_attention_backward_{unique}"))
+    return [relax.TupleGetItem(together, unique.index(w)) for w in wrts]
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ __all__ = [
     "get_op",
     "all_ops",
     "is_rlx_call",
+    "SiblingFusion",
+    "fuse_siblings",
     "FLOAT_DTYPES",
     "INT_DTYPES",
 ]
@@ -316,6 +318,7 @@ class OpDef:
     reference_fn: Callable[..., Any] | None = None
     decompose_fn: Callable[..., relax.Expr] | None = None
     fused_fn: Callable[..., relax.Expr] | None = None
+    siblings: "SiblingFusion | None" = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:
@@ -421,6 +424,33 @@ class OpDef:
 
     def decompose(self, bb, call: relax.Call) -> relax.Expr:
         return self.decompose_fn(bb, *self.call_args(call), **self.call_attrs(call))
+
+
+@dataclass(frozen=True)
+class SiblingFusion:
+    """Backward ops that one kernel computes together when a graph asks for several of them on
+    the same operands, sharing their common stages (attention's dq, dk and dv share the scores,
+    probabilities and dS). ``key(opdef, call)``: what calls must agree on to be fused (their
+    operands and the attributes other than the one that selects the output), None when a call
+    cannot be; ``fuse(bb, members)``: given ``[(opdef, call), ...]``, emit the shared kernel and
+    return one expression per member, in order. Applied by
+    :class:`rlx_tvm.passes.FuseSiblingBackwardOps`."""
+
+    name: str
+    key: Callable[["OpDef", relax.Call], Any]
+    fuse: Callable[..., list]
+
+
+def fuse_siblings(*opdefs: "OpDef", key: Callable[["OpDef", relax.Call], Any]):
+    """Decorator: ``fuse(bb, members)`` computes calls of ``opdefs`` that share ``key`` together."""
+
+    def register(fuse):
+        group = SiblingFusion("+".join(o.name for o in opdefs), key, fuse)
+        for o in opdefs:
+            o.siblings = group
+        return fuse
+
+    return register
 
 
 def _as_expr(a):

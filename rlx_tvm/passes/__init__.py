@@ -1,5 +1,6 @@
 """IRModule passes over the rlx ops."""
 
 from .decompose import DecomposeBackwardOps, count_rlx_calls
+from .siblings import FuseSiblingBackwardOps
 
-__all__ = ["DecomposeBackwardOps", "count_rlx_calls"]
+__all__ = ["DecomposeBackwardOps", "FuseSiblingBackwardOps", "count_rlx_calls"]

@@ -1,0 +1,72 @@
+"""``FuseSiblingBackwardOps``: compute backward ops that share their operands in one kernel."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..ops.registry import get_op, is_rlx_call
+
+
+class _Group:
+    def __init__(self, fusion, bindings):
+        self.fusion = fusion
+        self.bindings = bindings
+        self.results = None  # one expression per binding, once emitted
+
+
+@relax.expr_functor.mutator
+class _SiblingFuser(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.plan: dict = {}  # binding var -> (group, index in group)
+        self.groups = 0
+
+    def visit_dataflow_block_(self, block):
+        found: dict = {}
+        for binding in block.bindings:
+            if not (isinstance(binding, relax.VarBinding) and is_rlx_call(binding.value)):
+                continue
+            opdef = get_op(binding.value.op.name)
+            if opdef.siblings is None:
+                continue
+            key = opdef.siblings.key(opdef, binding.value)
+            if key is not None:
+                found.setdefault((opdef.siblings.name, key), (opdef.siblings, []))[1].append(binding)
+        for fusion, bindings in found.values():
+            if len(bindings) > 1:
+                group = _Group(fusion, bindings)
+                self.plan.update({b.var: (group, i) for i, b in enumerate(bindings)})
+                self.groups += 1
+        return super().visit_dataflow_block_(block)
+
+    def visit_var_binding_(self, binding):
+        entry = self.plan.get(binding.var)
+        if entry is None:
+            return super().visit_var_binding_(binding)
+        group, index = entry
+        if group.results is None:
+            # At the first member: every member reads the same operands, all bound by now.
+            members = [(get_op(b.value.op.name), self.visit_expr(b.value)) for b in group.bindings]
+            group.results = group.fusion.fuse(self.builder_, members)
+        value = self.builder_.normalize(group.results[index])
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+
+    def run(self) -> tvm.IRModule:
+        for gv, func in self.builder_.get().functions.items():
+            if isinstance(func, relax.Function):
+                self.builder_.update_func(gv, self.visit_expr(func))
+        return self.builder_.get()
+
+
+@tvm.transform.module_pass(opt_level=0, name="rlx.FuseSiblingBackwardOps")
+class FuseSiblingBackwardOps:
+    """Replace backward calls of one dataflow block that read the same operands and have a
+    registered :class:`~rlx_tvm.ops.registry.SiblingFusion` (attention's dq, dk and dv) with one
+    kernel computing them together: the stages they share (scores, probabilities, dS) run once.
+    Calls without siblings are left as they are. ``rlx_tvm.compile`` runs it for CPU targets;
+    ``DecomposeBackwardOps`` should run first where both are wanted (a fused group is a
+    ``call_tir``, no longer an rlx op)."""
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        return _SiblingFuser(mod).run()
