@@ -44,7 +44,7 @@ from tvm.relax.transform.legalize_ops import nn as _tvm_legalize
 
 from ..schedules.common import KEEP_STAGE
 from ._math import acc_dtype, tensor_dtype
-from .registry import Attr, check_float, check_int, define_op, fmt_shape
+from .registry import Attr, check_float, check_int, define_op, fmt_shape, fuse_siblings
 
 _op = relax.op
 
@@ -270,6 +270,13 @@ class _Rows:
 
         return te.compute(self.row_shape, body, name=name)
 
+    def stat_sum(self, name, f):
+        return self.row_sum(name, f)
+
+    @property
+    def stat_shape(self):
+        return self.row_shape
+
     def row_mean(self, name, f):
         total = self.at(self.row_sum(name, f))
         return lambda i: total(i) / self.count
@@ -300,17 +307,34 @@ def _rstd_stage(shape, sq_sum, count, eps, acc, keep=False):
                       **({"attrs": KEEP_STAGE} if keep else {}))
 
 
-def _te_layer_stats(rows: _Rows, x, eps, keep=True):
-    """Two-pass mean and biased variance: ``xh(i)`` and ``r(i)`` on full indices."""
-    mean = rows.row_mean("mean", x)
-    var_sum = rows.row_sum("var_sum", lambda i: (x(i) - mean(i)) * (x(i) - mean(i)))
-    r = rows.at(_rstd_stage(rows.row_shape, var_sum, rows.count, eps, rows.acc, keep))
+def _te_layer_stat_stages(view, x, eps, keep=True):
+    """Two-pass statistics per row of a ``_Rows`` (block of a ``_Groups``) ``view``: the stages
+    holding sum(x) and rstd = (biased variance + eps)^(-1/2)."""
+    total = view.stat_sum("mean", x)
+    mean = lambda i: view.at(total)(i) / view.count  # noqa: E731
+    var_sum = view.stat_sum("var_sum", lambda i: (x(i) - mean(i)) * (x(i) - mean(i)))
+    return total, _rstd_stage(view.stat_shape, var_sum, view.count, eps, view.acc, keep)
+
+
+def _te_normalized(view, x, total, rstd):
+    """``xh(i)`` and ``r(i)`` on full indices, from the stages of :func:`_te_layer_stat_stages`."""
+    mean, r = (lambda i: view.at(total)(i) / view.count), view.at(rstd)
     return (lambda i: (x(i) - mean(i)) * r(i)), r
 
 
-def _te_rms_r(rows: _Rows, x, eps, keep=True):
+def _te_layer_stats(rows: _Rows, x, eps, keep=True):
+    """Two-pass mean and biased variance: ``xh(i)`` and ``r(i)`` on full indices."""
+    return _te_normalized(rows, x, *_te_layer_stat_stages(rows, x, eps, keep))
+
+
+def _te_rms_stat_stages(rows: _Rows, x, eps, keep=True):
+    """The stage holding r = (mean(x^2) + eps)^(-1/2) per row (a 1-tuple, like the other norms')."""
     sq_sum = rows.row_sum("sq_sum", lambda i: x(i) * x(i))
-    return rows.at(_rstd_stage(rows.row_shape, sq_sum, rows.count, eps, rows.acc, keep))
+    return (_rstd_stage(rows.row_shape, sq_sum, rows.count, eps, rows.acc, keep),)
+
+
+def _te_rms_r(rows: _Rows, x, eps, keep=True):
+    return rows.at(_te_rms_stat_stages(rows, x, eps, keep)[0])
 
 
 class _Groups:
@@ -356,6 +380,13 @@ class _Groups:
 
         return te.compute(self.block_shape, body, name=name)
 
+    def stat_sum(self, name, f):
+        return self.block_sum(name, f)
+
+    @property
+    def stat_shape(self):
+        return self.block_shape
+
     def block_mean(self, name, f):
         total = self.at(self.block_sum(name, f))
         return lambda i: total(i) / self.count
@@ -373,10 +404,7 @@ class _Groups:
 
 
 def _te_group_stats(groups: _Groups, x, eps, keep=True):
-    mean = groups.block_mean("mean", x)
-    var_sum = groups.block_sum("var_sum", lambda i: (x(i) - mean(i)) * (x(i) - mean(i)))
-    r = groups.at(_rstd_stage(groups.block_shape, var_sum, groups.count, eps, groups.acc, keep))
-    return (lambda i: (x(i) - mean(i)) * r(i)), r
+    return _te_normalized(groups, x, *_te_layer_stat_stages(groups, x, eps, keep))
 
 
 def _as_dtype(t, dtype):
@@ -425,24 +453,36 @@ def _ln_input_decompose(bb, x, gamma, dy, *, axis, eps):
 
 @layer_norm_backward_input.fused
 def _ln_input_fused(bb, x, gamma, dy, *, axis, eps):
+    return _fused_alone(bb, "layer_norm", ("input",), x, gamma, dy, axis=axis, eps=eps)
+
+
+def _ln_kernel(roles, x, axis, eps):
+    """TE kernel over :func:`_kernel_operands` for the layer-norm gradients in ``roles``
+    ("input": dx, "gamma": dgamma), one set of row statistics for all of them."""
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
     a = axis % x.ty.ndim
 
-    def kernel(xt, gt, dyt):
+    def kernel(xt, *rest):
+        gt, dyt = rest if "input" in roles else (None, *rest)
         rows = _Rows(xt.shape, a, acc)
         xv, dyv = _loader(xt, acc), _loader(dyt, acc)
         xh, r = _te_layer_stats(rows, xv, eps)
-        g = lambda i: dyv(i) * gt[i[a]].astype(acc)  # noqa: E731  (gamma along the normalized axis)
-        mean_g = rows.row_mean("mean_g", g)
-        mean_gxh = rows.row_mean("mean_gxh", lambda i: g(i) * xh(i))
-        return te.compute(
-            xt.shape,
-            lambda *i: (r(i) * (g(i) - mean_g(i) - xh(i) * mean_gxh(i))).astype(dtype),
-            name="dx",
-        )
+        outs = {}
+        if "input" in roles:
+            g = lambda i: dyv(i) * gt[i[a]].astype(acc)  # noqa: E731  (gamma along the normalized axis)
+            mean_g = rows.row_mean("mean_g", g)
+            mean_gxh = rows.row_mean("mean_gxh", lambda i: g(i) * xh(i))
+            outs["input"] = te.compute(
+                xt.shape,
+                lambda *i: (r(i) * (g(i) - mean_g(i) - xh(i) * mean_gxh(i))).astype(dtype),
+                name="dx",
+            )
+        if "gamma" in roles:
+            outs["gamma"] = _as_dtype(rows.column_sum("dgamma", lambda i: dyv(i) * xh(i)), dtype)
+        return _in_order(outs, roles)
 
-    return _call_te(bb, "layer_norm_backward_input", kernel, x, gamma, dy)
+    return kernel
 
 
 layer_norm_backward_gamma = define_op(
@@ -474,18 +514,7 @@ def _ln_gamma_decompose(bb, x, dy, *, axis, eps):
 
 @layer_norm_backward_gamma.fused
 def _ln_gamma_fused(bb, x, dy, *, axis, eps):
-    dtype = tensor_dtype(x)
-    acc = acc_dtype(dtype)
-    a = axis % x.ty.ndim
-
-    def kernel(xt, dyt):
-        rows = _Rows(xt.shape, a, acc)
-        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
-        xh, _ = _te_layer_stats(rows, xv, eps)
-        dgamma = rows.column_sum("dgamma", lambda i: dyv(i) * xh(i))
-        return _as_dtype(dgamma, dtype)
-
-    return _call_te(bb, "layer_norm_backward_gamma", kernel, x, dy)
+    return _fused_alone(bb, "layer_norm", ("gamma",), x, None, dy, axis=axis, eps=eps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,24 +555,41 @@ def _rms_input_decompose(bb, x, gamma, beta, dy, *, axis, eps):
 
 @rms_norm_backward_input.fused
 def _rms_input_fused(bb, x, gamma, beta, dy, *, axis, eps):
+    # beta does not enter dx; it is not passed to the kernel.
+    return _fused_alone(bb, "rms_norm", ("input",), x, gamma, dy, axis=axis, eps=eps)
+
+
+def _rms_kernel(roles, x, axis, eps):
+    """TE kernel over :func:`_kernel_operands` for the RMS-norm gradients in ``roles`` ("input",
+    "gamma", "beta"), one set of row statistics for all of them."""
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
     a = axis % x.ty.ndim
 
-    def kernel(xt, gt, dyt):
+    def kernel(*ts):
+        if roles == ("beta",):
+            (dyt,) = ts
+            return _as_dtype(_Rows(dyt.shape, a, acc).column_sum("dbeta", _loader(dyt, acc)), dtype)
+        xt, gt, dyt = ts if "input" in roles else (ts[0], None, ts[1])
         rows = _Rows(xt.shape, a, acc)
         xv, dyv = _loader(xt, acc), _loader(dyt, acc)
         r = _te_rms_r(rows, xv, eps)
-        gdy = lambda i: dyv(i) * gt[i[a]].astype(acc)  # noqa: E731
-        mean_xgdy = rows.row_mean("mean_xgdy", lambda i: xv(i) * gdy(i))
-        return te.compute(
-            xt.shape,
-            lambda *i: (r(i) * (gdy(i) - r(i) * r(i) * xv(i) * mean_xgdy(i))).astype(dtype),
-            name="dx",
-        )
+        outs = {}
+        if "input" in roles:
+            gdy = lambda i: dyv(i) * gt[i[a]].astype(acc)  # noqa: E731
+            mean_xgdy = rows.row_mean("mean_xgdy", lambda i: xv(i) * gdy(i))
+            outs["input"] = te.compute(
+                xt.shape,
+                lambda *i: (r(i) * (gdy(i) - r(i) * r(i) * xv(i) * mean_xgdy(i))).astype(dtype),
+                name="dx",
+            )
+        if "gamma" in roles:
+            outs["gamma"] = _as_dtype(rows.column_sum("dgamma", lambda i: dyv(i) * xv(i) * r(i)), dtype)
+        if "beta" in roles:
+            outs["beta"] = _as_dtype(rows.column_sum("dbeta", dyv), dtype)
+        return _in_order(outs, roles)
 
-    # beta does not enter dx; it is not passed to the kernel.
-    return _call_te(bb, "rms_norm_backward_input", kernel, x, gamma, dy)
+    return kernel
 
 
 rms_norm_backward_gamma = define_op(
@@ -574,18 +620,7 @@ def _rms_gamma_decompose(bb, x, gamma, beta, dy, *, axis, eps):
 
 @rms_norm_backward_gamma.fused
 def _rms_gamma_fused(bb, x, gamma, beta, dy, *, axis, eps):
-    dtype = tensor_dtype(x)
-    acc = acc_dtype(dtype)
-    a = axis % x.ty.ndim
-
-    def kernel(xt, dyt):
-        rows = _Rows(xt.shape, a, acc)
-        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
-        r = _te_rms_r(rows, xv, eps)
-        dgamma = rows.column_sum("dgamma", lambda i: dyv(i) * xv(i) * r(i))
-        return _as_dtype(dgamma, dtype)
-
-    return _call_te(bb, "rms_norm_backward_gamma", kernel, x, dy)
+    return _fused_alone(bb, "rms_norm", ("gamma",), x, None, dy, axis=axis, eps=eps)
 
 
 rms_norm_backward_beta = define_op(
@@ -613,15 +648,7 @@ def _rms_beta_decompose(bb, x, gamma, beta, dy, *, axis, eps):
 
 @rms_norm_backward_beta.fused
 def _rms_beta_fused(bb, x, gamma, beta, dy, *, axis, eps):
-    dtype = tensor_dtype(dy)
-    acc = acc_dtype(dtype)
-    a = axis % dy.ty.ndim
-
-    def kernel(dyt):
-        dbeta = _Rows(dyt.shape, a, acc).column_sum("dbeta", _loader(dyt, acc))
-        return _as_dtype(dbeta, dtype)
-
-    return _call_te(bb, "rms_norm_backward_beta", kernel, dy)
+    return _fused_alone(bb, "rms_norm", ("beta",), x, None, dy, axis=axis, eps=eps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,24 +701,41 @@ def _gn_input_decompose(bb, x, gamma, beta, dy, *, num_groups, eps):
 
 @group_norm_backward_input.fused
 def _gn_input_fused(bb, x, gamma, beta, dy, *, num_groups, eps):
+    # beta does not enter dx; it is not passed to the kernel.
+    return _fused_alone(bb, "group_norm", ("input",), x, gamma, dy, num_groups=num_groups, eps=eps)
+
+
+def _gn_kernel(roles, x, num_groups, eps):
+    """TE kernel over :func:`_kernel_operands` for the group-norm gradients in ``roles`` ("input",
+    "gamma", "beta"), one set of block statistics for all of them."""
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
 
-    def kernel(xt, gt, dyt):
+    def kernel(*ts):
+        if roles == ("beta",):
+            (dyt,) = ts
+            return _as_dtype(_Groups(dyt.shape, num_groups, acc).channel_sum("dbeta", _loader(dyt, acc)), dtype)
+        xt, gt, dyt = ts if "input" in roles else (ts[0], None, ts[1])
         groups = _Groups(xt.shape, num_groups, acc)
         xv, dyv = _loader(xt, acc), _loader(dyt, acc)
         xh, r = _te_group_stats(groups, xv, eps)
-        s = lambda i: dyv(i) * gt[i[1]].astype(acc)  # noqa: E731  (gamma along the channel axis)
-        mean_s = groups.block_mean("mean_s", s)
-        mean_sxh = groups.block_mean("mean_sxh", lambda i: s(i) * xh(i))
-        return te.compute(
-            xt.shape,
-            lambda *i: (r(i) * (s(i) - mean_s(i) - xh(i) * mean_sxh(i))).astype(dtype),
-            name="dx",
-        )
+        outs = {}
+        if "input" in roles:
+            s = lambda i: dyv(i) * gt[i[1]].astype(acc)  # noqa: E731  (gamma along the channel axis)
+            mean_s = groups.block_mean("mean_s", s)
+            mean_sxh = groups.block_mean("mean_sxh", lambda i: s(i) * xh(i))
+            outs["input"] = te.compute(
+                xt.shape,
+                lambda *i: (r(i) * (s(i) - mean_s(i) - xh(i) * mean_sxh(i))).astype(dtype),
+                name="dx",
+            )
+        if "gamma" in roles:
+            outs["gamma"] = _as_dtype(groups.channel_sum("dgamma", lambda i: dyv(i) * xh(i)), dtype)
+        if "beta" in roles:
+            outs["beta"] = _as_dtype(groups.channel_sum("dbeta", dyv), dtype)
+        return _in_order(outs, roles)
 
-    # beta does not enter dx; it is not passed to the kernel.
-    return _call_te(bb, "group_norm_backward_input", kernel, x, gamma, dy)
+    return kernel
 
 
 group_norm_backward_gamma = define_op(
@@ -724,17 +768,7 @@ def _gn_gamma_decompose(bb, x, dy, *, num_groups, eps):
 
 @group_norm_backward_gamma.fused
 def _gn_gamma_fused(bb, x, dy, *, num_groups, eps):
-    dtype = tensor_dtype(x)
-    acc = acc_dtype(dtype)
-
-    def kernel(xt, dyt):
-        groups = _Groups(xt.shape, num_groups, acc)
-        xv, dyv = _loader(xt, acc), _loader(dyt, acc)
-        xh, _ = _te_group_stats(groups, xv, eps)
-        dgamma = groups.channel_sum("dgamma", lambda i: dyv(i) * xh(i))
-        return _as_dtype(dgamma, dtype)
-
-    return _call_te(bb, "group_norm_backward_gamma", kernel, x, dy)
+    return _fused_alone(bb, "group_norm", ("gamma",), x, None, dy, num_groups=num_groups, eps=eps)
 
 
 group_norm_backward_beta = define_op(
@@ -761,14 +795,69 @@ def _gn_beta_decompose(bb, x, dy, *, num_groups, eps):
 
 @group_norm_backward_beta.fused
 def _gn_beta_fused(bb, x, dy, *, num_groups, eps):
-    dtype = tensor_dtype(dy)
-    acc = acc_dtype(dtype)
+    return _fused_alone(bb, "group_norm", ("beta",), x, None, dy, num_groups=num_groups, eps=eps)
 
-    def kernel(dyt):
-        dbeta = _Groups(dyt.shape, num_groups, acc).channel_sum("dbeta", _loader(dyt, acc))
-        return _as_dtype(dbeta, dtype)
 
-    return _call_te(bb, "group_norm_backward_beta", kernel, dy)
+# --------------------------------------------------------------------------------------------
+# Gradients of one norm computed together (FuseSiblingBackwardOps)
+# --------------------------------------------------------------------------------------------
+
+_ROLES = ("input", "gamma", "beta")  # output order of a family's kernel
+_KERNELS = {"layer_norm": _ln_kernel, "rms_norm": _rms_kernel, "group_norm": _gn_kernel}
+
+
+def _in_order(outs: dict, roles):
+    """A kernel's outputs in ``roles`` order (one tensor for one role)."""
+    return outs[roles[0]] if len(roles) == 1 else [outs[r] for r in roles]
+
+
+def _kernel_operands(roles, x, gamma, dy):
+    """What a family kernel reads for ``roles``: x (unless only dbeta), gamma (for dx), dy."""
+    return [*([x] if roles != ("beta",) else []), *([gamma] if "input" in roles else []), dy]
+
+
+def _fused_alone(bb, family, roles, x, gamma, dy, **attrs):
+    kernel = _KERNELS[family](roles, x, **attrs)
+    return _call_te(bb, f"{family}_backward_{'_'.join(roles)}", kernel, *_kernel_operands(roles, x, gamma, dy))
+
+
+def _role(opdef) -> str:
+    return opdef.name.rsplit("_", 1)[1]
+
+
+def _norm_sibling_key(opdef, call):
+    """The gradients of one norm: same x, dy and attributes."""
+    args = dict(zip(opdef.all_inputs, opdef.call_args(call)))
+    return (args["x"], args["dy"], *sorted((k, repr(v)) for k, v in opdef.call_attrs(call).items()))
+
+
+def _fuse_norm_gradients(family, *opdefs):
+    @fuse_siblings(*opdefs, key=_norm_sibling_key)
+    def together(bb, members):
+        """dx, dgamma (and dbeta) of one norm in one kernel: the row (block) statistics, two
+        passes over x, are computed once, and the CPU schedule accumulates the column sums in the
+        row loop of dx, so that x and dy are read from memory once."""
+        calls = {}
+        for opdef, call in members:
+            first = calls.setdefault(_role(opdef), call)
+            if len(first.args) != len(call.args) or not all(a.same_as(b) for a, b in zip(first.args, call.args)):
+                return None  # two dx of one x and dy with different gammas: left apart
+        roles = tuple(r for r in _ROLES if r in calls)
+        if len(roles) == 1:
+            return None
+        args = {}
+        for opdef, call in members:
+            args.update(zip(opdef.all_inputs, opdef.call_args(call)))
+        attrs = members[0][0].call_attrs(members[0][1])
+        out = bb.emit(_fused_alone(bb, family, roles, args["x"], args.get("gamma"), args["dy"], **attrs))
+        return [relax.TupleGetItem(out, roles.index(_role(opdef))) for opdef, _ in members]
+
+    return together
+
+
+_fuse_norm_gradients("layer_norm", layer_norm_backward_input, layer_norm_backward_gamma)
+_fuse_norm_gradients("rms_norm", rms_norm_backward_input, rms_norm_backward_gamma, rms_norm_backward_beta)
+_fuse_norm_gradients("group_norm", group_norm_backward_input, group_norm_backward_gamma, group_norm_backward_beta)
 
 
 # --------------------------------------------------------------------------------------------

@@ -433,7 +433,7 @@ class SiblingFusion:
     probabilities and dS). ``key(opdef, call)``: what calls must agree on to be fused (their
     operands and the attributes other than the one that selects the output), None when a call
     cannot be; ``fuse(bb, members)``: given ``[(opdef, call), ...]``, emit the shared kernel and
-    return one expression per member, in order. Applied by
+    return one expression per member, in order (or None to leave them apart). Applied by
     :class:`rlx_tvm.passes.FuseSiblingBackwardOps`."""
 
     name: str

@@ -48,7 +48,10 @@ class _SiblingFuser(relax.PyExprMutator):
         if group.results is None:
             # At the first member: every member reads the same operands, all bound by now.
             members = [(get_op(b.value.op.name), self.visit_expr(b.value)) for b in group.bindings]
-            group.results = group.fusion.fuse(self.builder_, members)
+            group.results = group.fusion.fuse(self.builder_, members) or ()  # () : the fusion declined
+            self.groups -= not group.results
+        if not group.results:
+            return super().visit_var_binding_(binding)
         value = self.builder_.normalize(group.results[index])
         self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
 
@@ -62,8 +65,9 @@ class _SiblingFuser(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="rlx.FuseSiblingBackwardOps")
 class FuseSiblingBackwardOps:
     """Replace backward calls of one dataflow block that read the same operands and have a
-    registered :class:`~rlx_tvm.ops.registry.SiblingFusion` (attention's dq, dk and dv) with one
-    kernel computing them together: the stages they share (scores, probabilities, dS) run once.
+    registered :class:`~rlx_tvm.ops.registry.SiblingFusion` (attention's dq, dk and dv; a norm's
+    dx, dgamma and dbeta) with one kernel computing them together: the stages they share (scores,
+    probabilities, dS; row statistics) run once.
     Calls without siblings are left as they are. ``rlx_tvm.compile`` runs it for CPU targets;
     ``DecomposeBackwardOps`` should run first where both are wanted (a fused group is a
     ``call_tir``, no longer an rlx op)."""

@@ -49,7 +49,7 @@ class ParallelFallback(CPUScheduleRule):
         sch, blocks = found
         lanes = max(1, llvm_get_vector_width(target) // 32)
         if len(blocks) > 1:
-            fused = self._fuse_rows(sch.copy(), blocks, lanes)
+            fused = self._fuse_rows(sch.copy(), blocks, lanes) or self._fuse_rows_and_column_sums(sch.copy(), blocks, lanes)
             if fused is not None:
                 return fused
         # A window reduction read only by the next one over the same outputs (max-pool's window
@@ -169,6 +169,98 @@ class ParallelFallback(CPUScheduleRule):
         except s_tir.ScheduleError:
             return None
         return sch
+
+    def _fuse_rows_and_column_sums(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
+        """A row kernel (as in :meth:`_fuse_rows`) followed by column sums over its rows that read
+        its row statistics (a norm's dx, then dgamma and dbeta, computed together): the rows are
+        cut into ``ROW_CHUNKS`` chunks, and each stage's row loop (the column sums' reduction over
+        the rows, by ``rfactor``, as one partial sum per chunk) is split alike and all are merged
+        into one parallel loop over the chunks around one serial loop over the chunk's rows. Per
+        row the statistics, dx and the column sums' partials run back to back, while the row is in
+        cache: x and dy are read from memory once. The partials are summed after the loop.
+
+        ``merge`` does not check what the stages read: applied only when every stage reads the
+        earlier stages' results at its own row (``_reads_own_row``), so that row i of every stage
+        needs only row i of the others; None otherwise (``sch`` is then a spoiled copy)."""
+        kinds = [info.dom_kind() for info in blocks]
+        out = max((k for k, kind in enumerate(kinds) if set(kind) == {"S"}), default=None,
+                  key=lambda k: _block_domain(sch, blocks[k].block_rv) or 0)
+        if out is None or out == 0 or out == len(blocks) - 1:
+            return None
+        head = [info.block_rv for info in blocks[:out + 1]]
+        sums = [info.block_rv for info in blocks[out + 1:]]
+        n_rows = _static(sch.get(sch.get_loops(head[-1])[0]).extent)
+        chunks = next((c for c in (ROW_CHUNKS, ROW_CHUNKS // 2, ROW_CHUNKS // 4) if n_rows and n_rows % c == 0), None)
+        if chunks is None or n_rows // chunks < 4:
+            return None
+        written = []
+        for block in head:  # every row stage has the row as its first axis and reads others' rows there
+            row = sch.get(block).iter_vars[0]
+            if row.iter_type != tirx.IterVar.DataPar or _static(row.dom.extent) != n_rows \
+                    or not _reads_own_row(sch, block, row.var, written):
+                return None
+            written.append(sch.get(block).writes[0].source)
+        for block in sums:  # column sums: out[j] = sum over the rows (first) of f(row, j)
+            stmt = sch.get(block)
+            if _n_spatial(sch, block) != 1 or len(stmt.iter_vars) != 2 or _static(stmt.iter_vars[1].dom.extent) != n_rows \
+                    or not _reads_own_row(sch, block, stmt.iter_vars[1].var, written):
+                return None
+        try:
+            partials = {}
+            for block in head:
+                partial = self._vector_partial_sums(sch, block, lanes)
+                if partial is not None:
+                    partials[block] = partial
+            stages = []  # in program order; each row stage after its lane partial sums
+            for block in head:
+                if block in partials:
+                    stages.append(partials[block][0])
+                stages.append(block)
+            chunk_loops = []
+            for stage in stages:  # row first: split into (chunk, row in chunk)
+                chunk_loops.append(sch.split(sch.get_loops(stage)[0], factors=[chunks, None])[0])
+            column_partials = []
+            for block in sums:  # loops (column, row): one partial sum per chunk, then the rows
+                _, rows = sch.get_loops(block)
+                chunk, _ = sch.split(rows, factors=[chunks, None])
+                partial = sch.rfactor(chunk, factor_axis=0)
+                column, chunk, row = sch.get_loops(partial)  # the loops stay, the block is new
+                sch.reorder(chunk, row, column)
+                chunk_loops.append(chunk)
+                column_partials.append(partial)
+            chunk_loop = sch.merge(*chunk_loops)
+            sch.merge(*[sch.get_loops(st)[1] for st in [*stages, *column_partials]])
+            sch.parallel(chunk_loop)
+            depth = 2  # the chunk and row-in-chunk loops
+            for partial, chains, width in partials.values():
+                # Not moved by compute_at: rfactor left the loops as they were, the lanes innermost.
+                lane_loop = sch.get_loops(partial)[-1]
+                sch.set_scope(partial, 0, "local")
+                chain, vec = sch.split(lane_loop, factors=[chains, width])
+                sch.unroll(chain)
+                sch.vectorize(vec)
+            self._vectorize_inner(sch, head[-1], depth, lanes)
+            for partial in column_partials:
+                self._vectorize_column_partial(sch, partial, depth, lanes)
+            for block in sums:  # the sums of the chunks' partials
+                column, _ = sch.get_loops(block)
+                self._parallel(sch, [column])
+        except s_tir.ScheduleError as e:
+            import os
+            if os.environ.get("DBG"): print("MERGE ERR", str(e)[:300], str(e)[-800:])
+            return None
+        return sch
+
+    def _vectorize_column_partial(self, sch: s_tir.Schedule, block, depth: int, lanes: int) -> None:
+        """A chunk's partial column sums under ``depth`` row loops: the columns in vectors (the
+        initialization split off at the chunk loop, before the rows)."""
+        (column,) = sch.get_loops(block)[depth:]
+        width = _vector_width(_static(sch.get(column).extent), lanes)
+        if width is not None:
+            sch.vectorize(sch.split(column, factors=[None, width])[1])
+        init = sch.decompose_reduction(block, sch.get_loops(block)[1])
+        if width is not None:
+            sch.vectorize(sch.get_loops(init)[-1])
 
     def _vector_partial_sums(self, sch: s_tir.Schedule, block, lanes: int) -> tuple | None:
         """For a reduction over a contiguous innermost axis: split it into vectors and ``rfactor``
@@ -408,9 +500,24 @@ def _is_column_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
     return contiguous_along_column
 
 
+ROW_CHUNKS = 64  # chunks of rows of a row kernel with column sums: one partial sum per chunk
+
 SMALL_WINDOW = 32  # taps of a window reduction (pooling) scheduled as vectors along its outputs
 
 ROW_TILE = 4  # rows of a register-blocked product tile: 4 x (up to 4 vectors) accumulators
+
+
+def _reads_own_row(sch: s_tir.Schedule, block, row, buffers: list) -> bool:
+    """Every read of ``buffers`` by ``block`` is at its row ``row`` (the first index, and only
+    there) and at a single element of the rest."""
+    for read in sch.get(block).reads:
+        if not any(read.source.same_as(b) for b in buffers):
+            continue
+        first, *rest = read.region
+        if not (isinstance(first.min, tirx.Var) and first.min.same_as(row)) \
+                or any(_uses(r.min, row) or _static(r.extent) != 1 for r in [first, *rest][1:]) or _static(first.extent) != 1:
+            return False
+    return True
 
 
 def _reused_row_axis(sch: s_tir.Schedule, block, n_spatial: int, tile: int) -> int | None:
