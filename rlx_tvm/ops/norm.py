@@ -281,6 +281,14 @@ class _Rows:
         total = self.at(self.row_sum(name, f))
         return lambda i: total(i) / self.count
 
+    def chunk_sums(self, name, f, chunks: int):
+        """[chunks, *normalized] stage, for 2-D [rows, H] shapes (axis 1): per chunk of
+        ``rows / chunks`` consecutive rows, the sum of ``f`` over them (what :meth:`column_sum`
+        then sums over the chunks)."""
+        per = self.shape[0] // chunks
+        r = te.reduce_axis((0, per), name=f"{name}_r")
+        return te.compute((chunks, self.shape[1]), lambda t, h: te.sum(f((t * per + r, h)), axis=r), name=name)
+
     def column_sum(self, name, f):
         """Stage of the normalized axes' shape: sum of ``f`` over every other axis."""
         others = [k for k in range(len(self.shape)) if k not in self.axes]
@@ -402,6 +410,18 @@ class _Groups:
 
         return te.compute((self.shape[self.channel],), body, name=name)
 
+    def per_sample_sum(self, name, f):
+        """[*batch, C] stage: sum of ``f`` over the reduced axes only (what :meth:`channel_sum`
+        then sums over the batch); a row reduction per sample and channel."""
+
+        def body(*bc):
+            *b, c = bc
+            sp = [te.reduce_axis((0, s), name=m) for s, m in zip(self.spatial, self._names(name, self.axes, "s"))]
+            value = f(self._full({**dict(zip(self.batch, b)), self.channel: c, **dict(zip(self.axes, sp))}))
+            return te.sum(value, axis=sp) if sp else value
+
+        return te.compute((*[self.shape[k] for k in self.batch], self.shape[self.channel]), body, name=name)
+
 
 def _te_group_stats(groups: _Groups, x, eps, keep=True):
     return _te_normalized(groups, x, *_te_layer_stat_stages(groups, x, eps, keep))
@@ -456,9 +476,10 @@ def _ln_input_fused(bb, x, gamma, dy, *, axis, eps):
     return _fused_alone(bb, "layer_norm", ("input",), x, gamma, dy, axis=axis, eps=eps)
 
 
-def _ln_kernel(roles, x, axis, eps):
+def _ln_kernel(roles, x, axis, eps, partial=None):
     """TE kernel over :func:`_kernel_operands` for the layer-norm gradients in ``roles``
-    ("input": dx, "gamma": dgamma), one set of row statistics for all of them."""
+    ("input": dx, "gamma": dgamma), one set of row statistics for all of them; ``partial``: see
+    :func:`_param_sum`."""
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
     a = axis % x.ty.ndim
@@ -479,7 +500,7 @@ def _ln_kernel(roles, x, axis, eps):
                 name="dx",
             )
         if "gamma" in roles:
-            outs["gamma"] = _as_dtype(rows.column_sum("dgamma", lambda i: dyv(i) * xh(i)), dtype)
+            outs["gamma"] = _param_sum(rows, "dgamma", lambda i: dyv(i) * xh(i), dtype, partial)
         return _in_order(outs, roles)
 
     return kernel
@@ -559,9 +580,9 @@ def _rms_input_fused(bb, x, gamma, beta, dy, *, axis, eps):
     return _fused_alone(bb, "rms_norm", ("input",), x, gamma, dy, axis=axis, eps=eps)
 
 
-def _rms_kernel(roles, x, axis, eps):
+def _rms_kernel(roles, x, axis, eps, partial=None):
     """TE kernel over :func:`_kernel_operands` for the RMS-norm gradients in ``roles`` ("input",
-    "gamma", "beta"), one set of row statistics for all of them."""
+    "gamma", "beta"), one set of row statistics for all of them; ``partial``: see :func:`_param_sum`."""
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
     a = axis % x.ty.ndim
@@ -584,9 +605,9 @@ def _rms_kernel(roles, x, axis, eps):
                 name="dx",
             )
         if "gamma" in roles:
-            outs["gamma"] = _as_dtype(rows.column_sum("dgamma", lambda i: dyv(i) * xv(i) * r(i)), dtype)
+            outs["gamma"] = _param_sum(rows, "dgamma", lambda i: dyv(i) * xv(i) * r(i), dtype, partial)
         if "beta" in roles:
-            outs["beta"] = _as_dtype(rows.column_sum("dbeta", dyv), dtype)
+            outs["beta"] = _param_sum(rows, "dbeta", dyv, dtype, partial)
         return _in_order(outs, roles)
 
     return kernel
@@ -705,9 +726,9 @@ def _gn_input_fused(bb, x, gamma, beta, dy, *, num_groups, eps):
     return _fused_alone(bb, "group_norm", ("input",), x, gamma, dy, num_groups=num_groups, eps=eps)
 
 
-def _gn_kernel(roles, x, num_groups, eps):
+def _gn_kernel(roles, x, num_groups, eps, partial=None):
     """TE kernel over :func:`_kernel_operands` for the group-norm gradients in ``roles`` ("input",
-    "gamma", "beta"), one set of block statistics for all of them."""
+    "gamma", "beta"), one set of block statistics for all of them; ``partial``: see :func:`_param_sum`."""
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
 
@@ -730,9 +751,9 @@ def _gn_kernel(roles, x, num_groups, eps):
                 name="dx",
             )
         if "gamma" in roles:
-            outs["gamma"] = _as_dtype(groups.channel_sum("dgamma", lambda i: dyv(i) * xh(i)), dtype)
+            outs["gamma"] = _param_sum(groups, "dgamma", lambda i: dyv(i) * xh(i), dtype, partial)
         if "beta" in roles:
-            outs["beta"] = _as_dtype(groups.channel_sum("dbeta", dyv), dtype)
+            outs["beta"] = _param_sum(groups, "dbeta", dyv, dtype, partial)
         return _in_order(outs, roles)
 
     return kernel
@@ -811,14 +832,27 @@ def _in_order(outs: dict, roles):
     return outs[roles[0]] if len(roles) == 1 else [outs[r] for r in roles]
 
 
+def _param_sum(view, name, f, dtype, partial):
+    """dgamma / dbeta: the sum of ``f`` over everything but the parameter's axis, in ``dtype``;
+    with ``partial``, partial sums in the accumulation dtype, summed by the caller: per chunk of
+    ``partial`` row chunks (layer / RMS norm), or per sample (group norm, ``partial=True``)."""
+    if partial is None:
+        return _as_dtype(view.column_sum(name, f) if isinstance(view, _Rows) else view.channel_sum(name, f), dtype)
+    return view.chunk_sums(name, f, partial) if isinstance(view, _Rows) else view.per_sample_sum(name, f)
+
+
 def _kernel_operands(roles, x, gamma, dy):
     """What a family kernel reads for ``roles``: x (unless only dbeta), gamma (for dx), dy."""
     return [*([x] if roles != ("beta",) else []), *([gamma] if "input" in roles else []), dy]
 
 
-def _fused_alone(bb, family, roles, x, gamma, dy, **attrs):
-    kernel = _KERNELS[family](roles, x, **attrs)
+def _fused_alone(bb, family, roles, x, gamma, dy, partial=None, **attrs):
+    kernel = _KERNELS[family](roles, x, partial=partial, **attrs)
     return _call_te(bb, f"{family}_backward_{'_'.join(roles)}", kernel, *_kernel_operands(roles, x, gamma, dy))
+
+
+def _static_dim(d) -> int | None:
+    return int(d.value) if isinstance(d, tirx.IntImm) else None
 
 
 def _role(opdef) -> str:
@@ -835,8 +869,10 @@ def _fuse_norm_gradients(family, *opdefs):
     @fuse_siblings(*opdefs, key=_norm_sibling_key)
     def together(bb, members):
         """dx, dgamma (and dbeta) of one norm in one kernel: the row (block) statistics, two
-        passes over x, are computed once, and the CPU schedule accumulates the column sums in the
-        row loop of dx, so that x and dy are read from memory once."""
+        passes over x, are computed once, and dgamma and dbeta come out as partial sums (per chunk
+        of rows; per sample for group norm) that the CPU schedule computes in the row loop of dx,
+        so that x and dy are read from memory once; their sum over the chunks (samples) follows.
+        Layer and RMS norm: normalized axis last and static shapes only (else left apart)."""
         calls = {}
         for opdef, call in members:
             first = calls.setdefault(_role(opdef), call)
@@ -849,8 +885,29 @@ def _fuse_norm_gradients(family, *opdefs):
         for opdef, call in members:
             args.update(zip(opdef.all_inputs, opdef.call_args(call)))
         attrs = members[0][0].call_attrs(members[0][1])
-        out = bb.emit(_fused_alone(bb, family, roles, args["x"], args.get("gamma"), args["dy"], **attrs))
-        return [relax.TupleGetItem(out, roles.index(_role(opdef))) for opdef, _ in members]
+        x, gamma, dy = args["x"], args.get("gamma"), args["dy"]
+        shape = [_static_dim(d) for d in x.ty.shape.values]
+        dtype = tensor_dtype(x)
+        if family == "group_norm":
+            partial, sum_axes, flat = True, [0], None
+        else:
+            if None in shape or attrs["axis"] % len(shape) != len(shape) - 1:
+                return None
+            rows = int(np.prod(shape[:-1]))
+            partial = next((c for c in (64, 32, 16, 8, 4, 2) if rows % c == 0 and rows // c >= 4), 1)
+            sum_axes, flat = [0], ([rows, shape[-1]] if len(shape) != 2 else None)
+            if flat is not None:
+                x, dy = bb.emit(_op.reshape(x, flat)), bb.emit(_op.reshape(dy, flat))
+                attrs = {**attrs, "axis": -1}
+        out = bb.emit(_fused_alone(bb, family, roles, x, gamma, dy, partial=partial, **attrs))
+        results = {}
+        for k, role in enumerate(roles):
+            value = relax.TupleGetItem(out, k)
+            if role == "input":
+                results[role] = _op.reshape(value, shape) if flat is not None else value
+            else:
+                results[role] = _cast(_op.sum(value, axis=sum_axes), acc_dtype(dtype), dtype)
+        return [results[_role(opdef)] for opdef, _ in members]
 
     return together
 

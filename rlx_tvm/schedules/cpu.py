@@ -15,7 +15,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
-from tvm.sym import detect_linear_equation
+from tvm.sym import Analyzer, detect_linear_equation
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
@@ -49,7 +49,7 @@ class ParallelFallback(CPUScheduleRule):
         sch, blocks = found
         lanes = max(1, llvm_get_vector_width(target) // 32)
         if len(blocks) > 1:
-            fused = self._fuse_rows(sch.copy(), blocks, lanes) or self._fuse_rows_and_column_sums(sch.copy(), blocks, lanes)
+            fused = self._fuse_rows(sch.copy(), blocks, lanes) or self._merge_row_stages(sch.copy(), blocks, lanes)
             if fused is not None:
                 return fused
         # A window reduction read only by the next one over the same outputs (max-pool's window
@@ -170,66 +170,83 @@ class ParallelFallback(CPUScheduleRule):
             return None
         return sch
 
-    def _fuse_rows_and_column_sums(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
-        """A row kernel (as in :meth:`_fuse_rows`) followed by column sums over its rows that read
-        its row statistics (a norm's dx, then dgamma and dbeta, computed together): the rows are
-        cut into ``ROW_CHUNKS`` chunks, and each stage's row loop (the column sums' reduction over
-        the rows, by ``rfactor``, as one partial sum per chunk) is split alike and all are merged
-        into one parallel loop over the chunks around one serial loop over the chunk's rows. Per
-        row the statistics, dx and the column sums' partials run back to back, while the row is in
-        cache: x and dy are read from memory once. The partials are summed after the loop.
+    def _merge_row_stages(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
+        """A row kernel (as in :meth:`_fuse_rows`) with more than one output: the gradients of one
+        norm computed together (statistics, dx, and dgamma / dbeta as partial sums per chunk of
+        rows, or per sample and channel for group norm). Its outputs rule out ``compute_at``, so
+        every stage's loop over the rows (group norm: over (n, group), the channel loop split by
+        the group size) is cut into the chunks of the partial sums and all are merged (``merge``)
+        into one parallel loop over the chunks around one loop over a chunk's rows: per row the
+        statistics, dx and the partial sums run back to back while the row is in cache, and x and
+        dy are read from memory once.
 
-        ``merge`` does not check what the stages read: applied only when every stage reads the
-        earlier stages' results at its own row (``_reads_own_row``), so that row i of every stage
-        needs only row i of the others; None otherwise (``sch`` is then a spoiled copy)."""
-        kinds = [info.dom_kind() for info in blocks]
-        out = max((k for k, kind in enumerate(kinds) if set(kind) == {"S"}), default=None,
-                  key=lambda k: _block_domain(sch, blocks[k].block_rv) or 0)
-        if out is None or out == 0 or out == len(blocks) - 1:
+        ``merge`` does not check what the stages read. Applied only when every stage is such a row
+        stage and reads the others' results only as one value per row, at its own row
+        (``_reads_only_own_row``); None otherwise (``sch`` is then a spoiled copy)."""
+        first = sch.get(blocks[0].block_rv)
+        n_row = len(first.writes[0].region)
+        row_extents = [_static(iv.dom.extent) for iv in first.iter_vars[:n_row]]
+        if n_row == 0 or None in row_extents:
             return None
-        head = [info.block_rv for info in blocks[:out + 1]]
-        sums = [info.block_rv for info in blocks[out + 1:]]
-        n_rows = _static(sch.get(sch.get_loops(head[-1])[0]).extent)
-        chunks = next((c for c in (ROW_CHUNKS, ROW_CHUNKS // 2, ROW_CHUNKS // 4) if n_rows and n_rows % c == 0), None)
-        if chunks is None or n_rows // chunks < 4:
+        n_rows = prod(row_extents)
+        reduced = [_reduced_size(sch, info.block_rv) for info in blocks]
+        if not any(n is not None and n >= 16 * lanes for n in reduced):
             return None
-        written = []
-        for block in head:  # every row stage has the row as its first axis and reads others' rows there
-            row = sch.get(block).iter_vars[0]
-            if row.iter_type != tirx.IterVar.DataPar or _static(row.dom.extent) != n_rows \
-                    or not _reads_own_row(sch, block, row.var, written):
+        analyzer = Analyzer()
+        stages, chunk_sums, chunks = [], [], None  # (block, group); blocks
+        row_buffers, written = [], []  # outputs of the stages: one value per row; all
+        for info in blocks:
+            block, stmt = info.block_rv, sch.get(info.block_rv)
+            ivs = stmt.iter_vars
+            group = _row_group(stmt, row_extents)
+            if group is not None:
+                row = [iv.var for iv in ivs[:n_row]]
+                expected = [*row[:-1], row[-1] // group if group > 1 else row[-1]]
+                stages.append((block, group))
+            elif n_row == 1 and [iv.iter_type for iv in ivs] == [tirx.IterVar.DataPar] * 2 + [tirx.IterVar.CommReduce]:
+                # a sum per chunk of rows: [chunk, column], over the chunk's rows
+                count, per = _static(ivs[0].dom.extent), _static(ivs[2].dom.extent)
+                if count is None or per is None or count * per != n_rows or chunks not in (None, count):
+                    return None
+                chunks = count
+                expected = [ivs[0].var * per + ivs[2].var]
+                chunk_sums.append(block)
+            else:
                 return None
-            written.append(sch.get(block).writes[0].source)
-        for block in sums:  # column sums: out[j] = sum over the rows (first) of f(row, j)
-            stmt = sch.get(block)
-            if _n_spatial(sch, block) != 1 or len(stmt.iter_vars) != 2 or _static(stmt.iter_vars[1].dom.extent) != n_rows \
-                    or not _reads_own_row(sch, block, stmt.iter_vars[1].var, written):
+            if not _reads_only_own_row(stmt, expected, row_buffers, written, analyzer):
                 return None
+            if len(stmt.writes[0].region) == n_row and group is not None:
+                row_buffers.append(stmt.writes[0].source)
+            written.append(stmt.writes[0].source)
+        chunks = chunks or n_rows
+        if len(stages) < 2:
+            return None
+        out = max((b for b, _ in stages), key=lambda b: _block_domain(sch, b) or 0)
         try:
             partials = {}
-            for block in head:
+            for block, _ in stages:
                 partial = self._vector_partial_sums(sch, block, lanes)
                 if partial is not None:
                     partials[block] = partial
-            stages = []  # in program order; each row stage after its lane partial sums
-            for block in head:
+            row_stages = []  # in program order; each row stage after its lane partial sums
+            for block, group in stages:
                 if block in partials:
-                    stages.append(partials[block][0])
-                stages.append(block)
+                    row_stages.append((partials[block][0], group))
+                row_stages.append((block, group))
             chunk_loops = []
-            for stage in stages:  # row first: split into (chunk, row in chunk)
-                chunk_loops.append(sch.split(sch.get_loops(stage)[0], factors=[chunks, None])[0])
-            column_partials = []
-            for block in sums:  # loops (column, row): one partial sum per chunk, then the rows
-                _, rows = sch.get_loops(block)
-                chunk, _ = sch.split(rows, factors=[chunks, None])
-                partial = sch.rfactor(chunk, factor_axis=0)
-                column, chunk, row = sch.get_loops(partial)  # the loops stay, the block is new
-                sch.reorder(chunk, row, column)
+            for stage, group in row_stages:  # the row loops, fused into one, split into chunks
+                loops = sch.get_loops(stage)[:n_row]
+                if group > 1:
+                    loops[-1], _ = sch.split(loops[-1], factors=[None, group])
+                row = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+                chunk_loops.append(sch.split(row, factors=[chunks, None])[0])
+            for block in chunk_sums:  # (chunk, column, row in chunk) -> (chunk, row in chunk, column)
+                chunk, column, row = sch.get_loops(block)
+                sch.reorder(row, column)
                 chunk_loops.append(chunk)
-                column_partials.append(partial)
+            everything = [*(st for st, _ in row_stages), *chunk_sums]
             chunk_loop = sch.merge(*chunk_loops)
-            sch.merge(*[sch.get_loops(st)[1] for st in [*stages, *column_partials]])
+            sch.merge(*[sch.get_loops(st)[1] for st in everything])
             sch.parallel(chunk_loop)
             depth = 2  # the chunk and row-in-chunk loops
             for partial, chains, width in partials.values():
@@ -239,15 +256,10 @@ class ParallelFallback(CPUScheduleRule):
                 chain, vec = sch.split(lane_loop, factors=[chains, width])
                 sch.unroll(chain)
                 sch.vectorize(vec)
-            self._vectorize_inner(sch, head[-1], depth, lanes)
-            for partial in column_partials:
-                self._vectorize_column_partial(sch, partial, depth, lanes)
-            for block in sums:  # the sums of the chunks' partials
-                column, _ = sch.get_loops(block)
-                self._parallel(sch, [column])
-        except s_tir.ScheduleError as e:
-            import os
-            if os.environ.get("DBG"): print("MERGE ERR", str(e)[:300], str(e)[-800:])
+            self._vectorize_inner(sch, out, depth, lanes)
+            for block in chunk_sums:
+                self._vectorize_column_partial(sch, block, depth, lanes)
+        except s_tir.ScheduleError:
             return None
         return sch
 
@@ -507,15 +519,29 @@ SMALL_WINDOW = 32  # taps of a window reduction (pooling) scheduled as vectors a
 ROW_TILE = 4  # rows of a register-blocked product tile: 4 x (up to 4 vectors) accumulators
 
 
-def _reads_own_row(sch: s_tir.Schedule, block, row, buffers: list) -> bool:
-    """Every read of ``buffers`` by ``block`` is at its row ``row`` (the first index, and only
-    there) and at a single element of the rest."""
-    for read in sch.get(block).reads:
-        if not any(read.source.same_as(b) for b in buffers):
-            continue
-        first, *rest = read.region
-        if not (isinstance(first.min, tirx.Var) and first.min.same_as(row)) \
-                or any(_uses(r.min, row) or _static(r.extent) != 1 for r in [first, *rest][1:]) or _static(first.extent) != 1:
+def _row_group(stmt, row_extents: list) -> int | None:
+    """For a block whose leading spatial axes run over the rows of a row kernel (extents
+    ``row_extents``, e.g. [N, G]): how many of its last such index fall in one row (group norm's
+    channels per group for a [N, C, ...] block, 1 for a [N, G] one); None when it has no such axes."""
+    n_row = len(row_extents)
+    ivs = stmt.iter_vars[:n_row]
+    if len(ivs) < n_row or any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs):
+        return None
+    extents = [_static(iv.dom.extent) for iv in ivs]
+    if None in extents or extents[:-1] != row_extents[:-1] or extents[-1] % row_extents[-1]:
+        return None
+    return extents[-1] // row_extents[-1]
+
+
+def _reads_only_own_row(stmt, expected: list, row_buffers: list, written: list, analyzer) -> bool:
+    """Every read of a per-row result (``row_buffers``) is one element at the ``expected`` row
+    index; nothing else another stage writes (``written``) is read."""
+    for read in stmt.reads:
+        if any(read.source.same_as(b) for b in row_buffers):
+            if len(read.region) != len(expected) or any(_static(r.extent) != 1 for r in read.region) or not all(
+                    analyzer.can_prove_equal(r.min, e) for r, e in zip(read.region, expected)):
+                return False
+        elif any(read.source.same_as(b) for b in written):
             return False
     return True
 
