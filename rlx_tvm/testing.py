@@ -361,3 +361,43 @@ def check_nth_order(cases: Sequence[GradCase], order: int = 3, eps: float = 1e-5
             if not np.isclose(got, fd, rtol=rtol, atol=atol * max(1.0, abs(fd))):
                 failures.append(f"{case.label} order {k + 2} d/d{name}: {got:.10g} vs finite differences {fd:.10g}")
     assert not failures, f"{len(failures)} higher-order derivatives differ from finite differences:\n" + "\n".join(failures)
+
+
+def sibling_groups_module(groups: Sequence[Sequence[Case]], dtype: str, symbolic: bool) -> tvm.IRModule:
+    """One Relax function ``group_<i>`` per group of cases that read the same inputs (by name, the
+    first case's arrays): every case's op called on the shared parameters, the outputs returned as
+    a tuple; what :class:`~rlx_tvm.passes.FuseSiblingBackwardOps` computes together."""
+    bb = relax.BlockBuilder()
+    for i, cases in enumerate(groups):
+        inputs = {name: arr for case in cases for name, arr in case.cast_inputs(dtype).items()}
+        batch = {k: v for case in cases for k, v in (case.batch or {}).items()} if symbolic else {}
+        n = tirx.Var("n", "int64")
+        params = {name: relax.Var(name, relax.TensorType(_symbolic_shape(arr.shape, batch.get(name), n), str(arr.dtype)))
+                  for name, arr in inputs.items()}
+        with bb.function(f"group_{i}", list(params.values())):
+            with bb.dataflow():
+                outs = [bb.emit(get_op(c.op)(**{k: params[k] for k in c.inputs}, **c.attrs)) for c in cases]
+                gv = bb.emit_output(relax.Tuple(outs))
+            bb.emit_func_output(gv)
+    return bb.get()
+
+
+def check_sibling_groups(groups: Sequence[Sequence[Case]], dtype: str, symbolic: bool, target=CHECK_TARGET):
+    """Compile :func:`sibling_groups_module` with ``rlx_tvm.compile`` (sibling ops computed
+    together on CPU targets) and assert every output matches its case's reference; returns the
+    lowered module (for checks of which kernels it has)."""
+    from .build import lower
+
+    mod = sibling_groups_module(groups, dtype, symbolic)
+    target = tvm.target.Target(target)
+    lowered = lower(mod, target, tuning_log=None, verbose=False)
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=target), tvm.cpu())
+    failures = []
+    for i, cases in enumerate(groups):
+        inputs = {name: arr for case in cases for name, arr in case.cast_inputs(dtype).items()}
+        outs = vm[f"group_{i}"](*as_tensors(inputs.values()))
+        for case, out in zip(cases, outs):
+            if (problem := compare(out.numpy(), case.reference(dtype), dtype)):
+                failures.append(f"group {i}, {case.name}: {problem}")
+    assert not failures, f"{len(failures)} outputs differ ({dtype}, symbolic={symbolic}):\n" + "\n".join(failures)
+    return lowered

@@ -537,3 +537,65 @@ def test_decompositions_differentiate_correctly():
     """float64 autodiff of every decomposition (each primitive's gradient rule: second order of
     the norms) vs finite differences of the compiled decomposition."""
     check_gradients([c for c in GRAD_CASES if c.label.startswith("decomposed")], "float64")
+
+
+# -- dx, dgamma and dbeta of one norm computed together (FuseSiblingBackwardOps, rlx_tvm.compile on CPU) --
+
+
+# (cases of one norm sharing x and dy; fused into one kernel when static): 2-D rows long enough
+# for the merged row schedule, the square trap, rank 3 (reshaped to rows), a normalized axis
+# that is not last (left apart), a pair of group-norm gradients.
+SIBLING_GROUPS = [
+    layer_cases((256, 64), "256 rows"),
+    layer_cases((8, 8), "square 8x8"),
+    layer_cases((4, 6, 16), "rank 3"),
+    layer_cases((6, 5), "axis 0", axis=0),
+    rms_cases((64, 32), "64 rows", eps=1e-3),
+    rms_cases((8, 8), "square, input+beta", which=("input", "beta")),
+    rms_cases((2, 8, 24), "rank 3, gamma+beta", which=("gamma", "beta")),
+    group_cases((3, 6, 3, 2), "N=3, 2d", num_groups=3, eps=1e-3),
+    group_cases((2, 64, 5, 6), "N=2, G=32", num_groups=32),
+    group_cases((3, 6), "no spatial, gamma+beta", which=("gamma", "beta"), num_groups=2),
+    group_cases((2, 4, 2, 3, 2), "3d, input+gamma", which=("input", "gamma"), num_groups=4),
+]
+
+
+@pytest.mark.parametrize("dtype,symbolic", [("float32", False), ("float64", False), ("float64", True)])
+def test_gradients_of_one_norm_computed_together(dtype, symbolic):
+    from rlx_tvm.testing import check_sibling_groups
+
+    groups = [g for g in SIBLING_GROUPS if not symbolic or g[0].batch is not None]
+    lowered = check_sibling_groups(groups, dtype, symbolic)
+    names = {gv.name_hint for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    if not symbolic:
+        # layer / RMS norm with the last axis normalized and every group norm: one kernel each
+        assert {"rlx_layer_norm_backward_input_gamma", "rlx_rms_norm_backward_input_gamma_beta",
+                "rlx_rms_norm_backward_input_beta", "rlx_rms_norm_backward_gamma_beta",
+                "rlx_group_norm_backward_input_gamma_beta", "rlx_group_norm_backward_gamma_beta",
+                "rlx_group_norm_backward_input_gamma"} <= names, sorted(names)
+        # the normalized axis 0 is left apart
+        assert {"rlx_layer_norm_backward_input", "rlx_layer_norm_backward_gamma"} <= names, sorted(names)
+    else:
+        # a symbolic row count leaves layer / RMS norm apart; group norm is still computed together
+        assert {"rlx_layer_norm_backward_input", "rlx_group_norm_backward_input_gamma_beta"} <= names, sorted(names)
+
+
+def test_merged_row_schedule_runs_every_stage_in_one_parallel_loop():
+    """The fused norm kernels at shapes the suite uses (smaller): statistics, dx and the partial
+    sums of dgamma / dbeta inside one parallel loop (over chunks of rows; over (n, group) for
+    group norm), row reductions in local vector partial sums; no reads out of bounds."""
+    from rlx_tvm import build
+    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.testing import sibling_groups_module
+
+    groups = [layer_cases((512, 256), "512 rows"), rms_cases((128, 256), "128 rows"),
+              group_cases((2, 8, 16, 16), "N=2 G=4", num_groups=4)]
+    lowered = build.lower(sibling_groups_module(groups, "float32", False), cpu_target(), tuning_log=None, verbose=False)
+    for name in ("rlx_layer_norm_backward_input_gamma", "rlx_rms_norm_backward_input_gamma_beta",
+                 "rlx_group_norm_backward_input_gamma_beta"):
+        func = lowered[name]
+        script = func.script()
+        assert script.count("T.parallel") == 1 and 'scope="local"' in script, name
+        tvm.s_tir.analysis.OOBChecker()(tvm.IRModule({"main": func}))
+    from rlx_tvm.testing import check_sibling_groups
+    check_sibling_groups(groups, "float32", False, target=cpu_target())

@@ -189,8 +189,8 @@ class ParallelFallback(CPUScheduleRule):
         if n_row == 0 or None in row_extents:
             return None
         n_rows = prod(row_extents)
-        reduced = [_reduced_size(sch, info.block_rv) for info in blocks]
-        if not any(n is not None and n >= 16 * lanes for n in reduced):
+        # The first stage is a row statistic over a long row (not a pooling window).
+        if (_reduced_size(sch, blocks[0].block_rv) or 0) <= SMALL_WINDOW:
             return None
         analyzer = Analyzer()
         stages, chunk_sums, chunks = [], [], None  # (block, group); blocks
