@@ -1,4 +1,5 @@
 import functools
+import importlib
 import math
 
 import numpy as np
@@ -439,10 +440,16 @@ def test_higher_orders_through_the_attention_gradient_rules():
 # -- dq, dk and dv computed together (FuseSiblingBackwardOps, applied by rlx_tvm.compile on CPU) ------
 
 
-@pytest.mark.parametrize("dtype,symbolic", [("float32", False), ("float64", False), ("float64", True)])
-def test_gradients_asked_together_share_one_kernel(dtype, symbolic):
+@pytest.mark.parametrize("dtype,symbolic,chunk_bytes", [
+    ("float32", False, None), ("float64", False, None), ("float64", True, None),
+    ("float64", False, 1),  # one (batch, kv head) pair per call: slices of every input and bias shape
+])
+def test_gradients_asked_together_share_one_kernel(dtype, symbolic, chunk_bytes, monkeypatch):
     from rlx_tvm.testing import check_sibling_groups
 
+    attention_module = importlib.import_module("rlx_tvm.ops.attention")
+    if chunk_bytes is not None:
+        monkeypatch.setattr(attention_module, "CHUNK_TILE_BYTES", chunk_bytes)
     # Every option with all three gradients; pairs (and a repeated one) on the first two.
     chosen = [(o, "qkv") for o in OPTIONS] + [(OPTIONS[1], "kv"), (OPTIONS[2], "qk"), (OPTIONS[0], "vqv")]
     groups = []
@@ -456,8 +463,28 @@ def test_gradients_asked_together_share_one_kernel(dtype, symbolic):
     for i, cases in enumerate(groups):
         calls = []
         relax.analysis.post_order_visit(lowered[f"group_{i}"], lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
-        kernels = [c for c in calls if c.op.name == "relax.call_tir"]
-        assert len(kernels) == 1 and len(kernels[0].ty.fields) == len({c.attrs["wrt"] for c in cases}), (i, calls)
+        kernels = {c.args[0].name_hint: c for c in calls
+                   if c.op.name == "relax.call_tir" and c.args[0].name_hint.startswith("rlx_attention_backward")}
+        assert len(kernels) == 1, (i, sorted(kernels))  # one kernel for all the gradients asked
+        (call,) = kernels.values()
+        assert len(call.ty.fields) == len({c.attrs["wrt"] for c in cases}), i
+        n_calls = sum(c.op.name == "relax.call_tir" and c.args[0].same_as(call.args[0]) for c in calls)
+        b, h = cases[0].inputs["k"].shape[0], cases[0].inputs["k"].shape[2]
+        if chunk_bytes == 1:
+            assert n_calls == b * h, (i, n_calls)  # every (batch, kv head) pair its own call
+
+
+def test_attention_is_sliced_into_cache_sized_chunks():
+    """At training shapes the gradients run on a few (batch, head) pairs per call: their [Sq, Sk]
+    tiles stay in cache between the kernel's stages."""
+    attention_module = importlib.import_module("rlx_tvm.ops.attention")
+    q, k = tensor_var("q", (4, 512, 8, 64)), tensor_var("k", (4, 512, 8, 64))
+    chunks = attention_module._head_chunks(q, k)
+    assert chunks[:2] == [(0, 0, 2), (0, 2, 4)] and len(chunks) == 16  # 2 heads of 1 MiB tiles
+    gqa = attention_module._head_chunks(q, tensor_var("k", (4, 512, 2, 64)))
+    assert gqa == [(b, c, c + 1) for b in range(4) for c in range(2)]  # 4 query heads per kv head
+    n = tvm.tirx.Var("n", "int64")
+    assert attention_module._head_chunks(tensor_var("q", (n, 512, 8, 64)), tensor_var("k", (n, 512, 8, 64))) is None
 
 
 def test_gradients_of_different_attentions_stay_apart():
