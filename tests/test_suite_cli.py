@@ -321,7 +321,7 @@ def test_cli_bench_prints_a_table_and_writes_json(cli_tuned, tmp_path, capsys):
     _, _, log = cli_tuned
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--scale", "small", "--kernels", "rms_norm_backward,relu_backward", "--repeats", "2",
-                     "--min-ms", "1", "--tuning-log", str(log), "--no-torch", "--json", str(out),
+                     "--min-ms", "1", "--settle-ms", "5", "--tuning-log", str(log), "--no-torch", "--json", str(out),
                      "--markdown", str(tmp_path / "bench.md")]) == 0
     text = capsys.readouterr().out
     assert "rms_norm_backward" in text and "copy bandwidth" in text and "TVM ms" in text
@@ -330,7 +330,7 @@ def test_cli_bench_prints_a_table_and_writes_json(cli_tuned, tmp_path, capsys):
     rms, relu = report["kernels"]
     assert rms["tuned_kernels"] == "2/2" and relu["tuned_kernels"] == "0/1"
     assert set(rms["ms"]) == {"tuned", "default", "tvm"} and all(v > 0 for v in rms["ms"].values())
-    assert rms["max_rel_diff"] < 1e-4 and report["copy_gbps"] > 0
+    assert rms["max_rel_diff"] < 1e-4 and report["copy_gbps"] > 0 and report["settle_ms"] == 5
     md = (tmp_path / "bench.md").read_text().splitlines()
     assert md[0].startswith("| kernel |") and md[2].startswith("| rms_norm_backward |") and len(md) == 4
 

@@ -270,8 +270,12 @@ class _Rows:
 
         return te.compute(self.row_shape, body, name=name)
 
+    # The names the statistics helpers use for both views (rows here, blocks in _Groups).
     def stat_sum(self, name, f):
         return self.row_sum(name, f)
+
+    def stat_mean(self, name, f):
+        return self.row_mean(name, f)
 
     @property
     def stat_shape(self):
@@ -315,34 +319,26 @@ def _rstd_stage(shape, sq_sum, count, eps, acc, keep=False):
                       **({"attrs": KEEP_STAGE} if keep else {}))
 
 
-def _te_layer_stat_stages(view, x, eps, keep=True):
-    """Two-pass statistics per row of a ``_Rows`` (block of a ``_Groups``) ``view``: the stages
-    holding sum(x) and rstd = (biased variance + eps)^(-1/2)."""
-    total = view.stat_sum("mean", x)
-    mean = lambda i: view.at(total)(i) / view.count  # noqa: E731
+def _te_layer_stats(view, x, eps, keep=True):
+    """Two-pass mean and biased variance per row of a ``_Rows`` (block of a ``_Groups``)
+    ``view``: ``xh(i)`` and ``r(i)`` on full indices."""
+    mean = view.stat_mean("mean", x)
     var_sum = view.stat_sum("var_sum", lambda i: (x(i) - mean(i)) * (x(i) - mean(i)))
-    return total, _rstd_stage(view.stat_shape, var_sum, view.count, eps, view.acc, keep)
-
-
-def _te_normalized(view, x, total, rstd):
-    """``xh(i)`` and ``r(i)`` on full indices, from the stages of :func:`_te_layer_stat_stages`."""
-    mean, r = (lambda i: view.at(total)(i) / view.count), view.at(rstd)
+    r = view.at(_rstd_stage(view.stat_shape, var_sum, view.count, eps, view.acc, keep))
     return (lambda i: (x(i) - mean(i)) * r(i)), r
 
 
-def _te_layer_stats(rows: _Rows, x, eps, keep=True):
-    """Two-pass mean and biased variance: ``xh(i)`` and ``r(i)`` on full indices."""
-    return _te_normalized(rows, x, *_te_layer_stat_stages(rows, x, eps, keep))
-
-
-def _te_rms_stat_stages(rows: _Rows, x, eps, keep=True):
-    """The stage holding r = (mean(x^2) + eps)^(-1/2) per row (a 1-tuple, like the other norms')."""
-    sq_sum = rows.row_sum("sq_sum", lambda i: x(i) * x(i))
-    return (_rstd_stage(rows.row_shape, sq_sum, rows.count, eps, rows.acc, keep),)
-
-
 def _te_rms_r(rows: _Rows, x, eps, keep=True):
-    return rows.at(_te_rms_stat_stages(rows, x, eps, keep)[0])
+    sq_sum = rows.row_sum("sq_sum", lambda i: x(i) * x(i))
+    return rows.at(_rstd_stage(rows.row_shape, sq_sum, rows.count, eps, rows.acc, keep))
+
+
+def _te_normalized_dx(view, g, xh, r, shape, dtype, names):
+    """``r * (g - mean(g) - xh * mean(g * xh))`` per row (block) of ``view``: the input gradient of
+    layer and group norm, with ``g`` = dy times gamma along its axis."""
+    mean_g = view.stat_mean(names[0], g)
+    mean_gxh = view.stat_mean(names[1], lambda i: g(i) * xh(i))
+    return te.compute(shape, lambda *i: (r(i) * (g(i) - mean_g(i) - xh(i) * mean_gxh(i))).astype(dtype), name="dx")
 
 
 class _Groups:
@@ -391,6 +387,9 @@ class _Groups:
     def stat_sum(self, name, f):
         return self.block_sum(name, f)
 
+    def stat_mean(self, name, f):
+        return self.block_mean(name, f)
+
     @property
     def stat_shape(self):
         return self.block_shape
@@ -421,10 +420,6 @@ class _Groups:
             return te.sum(value, axis=sp) if sp else value
 
         return te.compute((*[self.shape[k] for k in self.batch], self.shape[self.channel]), body, name=name)
-
-
-def _te_group_stats(groups: _Groups, x, eps, keep=True):
-    return _te_normalized(groups, x, *_te_layer_stat_stages(groups, x, eps, keep))
 
 
 def _as_dtype(t, dtype):
@@ -492,13 +487,7 @@ def _ln_kernel(roles, x, axis, eps, partial=None):
         outs = {}
         if "input" in roles:
             g = lambda i: dyv(i) * gt[i[a]].astype(acc)  # noqa: E731  (gamma along the normalized axis)
-            mean_g = rows.row_mean("mean_g", g)
-            mean_gxh = rows.row_mean("mean_gxh", lambda i: g(i) * xh(i))
-            outs["input"] = te.compute(
-                xt.shape,
-                lambda *i: (r(i) * (g(i) - mean_g(i) - xh(i) * mean_gxh(i))).astype(dtype),
-                name="dx",
-            )
+            outs["input"] = _te_normalized_dx(rows, g, xh, r, xt.shape, dtype, ("mean_g", "mean_gxh"))
         if "gamma" in roles:
             outs["gamma"] = _param_sum(rows, "dgamma", lambda i: dyv(i) * xh(i), dtype, partial)
         return _in_order(outs, roles)
@@ -739,17 +728,11 @@ def _gn_kernel(roles, x, num_groups, eps, partial=None):
         xt, gt, dyt = ts if "input" in roles else (ts[0], None, ts[1])
         groups = _Groups(xt.shape, num_groups, acc)
         xv, dyv = _loader(xt, acc), _loader(dyt, acc)
-        xh, r = _te_group_stats(groups, xv, eps)
+        xh, r = _te_layer_stats(groups, xv, eps)
         outs = {}
         if "input" in roles:
             s = lambda i: dyv(i) * gt[i[1]].astype(acc)  # noqa: E731  (gamma along the channel axis)
-            mean_s = groups.block_mean("mean_s", s)
-            mean_sxh = groups.block_mean("mean_sxh", lambda i: s(i) * xh(i))
-            outs["input"] = te.compute(
-                xt.shape,
-                lambda *i: (r(i) * (s(i) - mean_s(i) - xh(i) * mean_sxh(i))).astype(dtype),
-                name="dx",
-            )
+            outs["input"] = _te_normalized_dx(groups, s, xh, r, xt.shape, dtype, ("mean_s", "mean_sxh"))
         if "gamma" in roles:
             outs["gamma"] = _param_sum(groups, "dgamma", lambda i: dyv(i) * xh(i), dtype, partial)
         if "beta" in roles:
@@ -1008,7 +991,7 @@ def _legalize_group_norm(bb, call):
 
     def kernel(xt, *params):
         blocks = _Groups(xt.shape, groups, acc, channel, axes)
-        xh, _ = _te_group_stats(blocks, _loader(xt, acc), eps, keep=False)
+        xh, _ = _te_layer_stats(blocks, _loader(xt, acc), eps, keep=False)
         gt = params[0] if scale else None
         bt = params[-1] if center else None
 
