@@ -599,3 +599,63 @@ def test_merged_row_schedule_runs_every_stage_in_one_parallel_loop():
         tvm.s_tir.analysis.OOBChecker()(tvm.IRModule({"main": func}))
     from rlx_tvm.testing import check_sibling_groups
     check_sibling_groups(groups, "float32", False, target=cpu_target())
+
+
+def test_gradients_are_not_computed_together_before_an_operand_exists():
+    """A dx whose gamma is bound after the dgamma of the same x and dy stays apart (computing both
+    at the dgamma would read gamma before it exists)."""
+    from rlx_tvm.passes import FuseSiblingBackwardOps
+
+    x, dy, g = tensor_var("x", (4, 8)), tensor_var("dy", (4, 8)), tensor_var("g", (8,))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, dy, g]):
+        with bb.dataflow():
+            dgamma = bb.emit(ops.layer_norm_backward_gamma(x, dy))
+            gamma = bb.emit(relax.op.exp(g))
+            dx = bb.emit(ops.layer_norm_backward_input(x, gamma, dy))
+            out = bb.emit_output(relax.Tuple([dx, dgamma]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    fused = FuseSiblingBackwardOps()(mod)
+    relax.analysis.well_formed(fused)  # raises when ill-formed
+    tvm.ir.assert_structural_equal(fused, mod)
+    # Bound before both: computed together.
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, dy, g]):
+        with bb.dataflow():
+            gamma = bb.emit(relax.op.exp(g))
+            dgamma = bb.emit(ops.layer_norm_backward_gamma(x, dy))
+            dx = bb.emit(ops.layer_norm_backward_input(x, gamma, dy))
+            out = bb.emit_output(relax.Tuple([dx, dgamma]))
+        bb.emit_func_output(out)
+    fused = FuseSiblingBackwardOps()(bb.get())
+    calls = []
+    relax.analysis.post_order_visit(fused["main"], lambda e: calls.append(e.op.name) if isinstance(e, relax.Call) else None)
+    assert "relax.call_tir" in calls and not any(c.startswith("relax.rlx.") for c in calls), calls
+
+
+def test_dx_computed_together_uses_its_own_gamma():
+    """RMS norm's dgamma op takes a gamma too (which does not enter it): computed together with a
+    dx, the kernel uses the dx call's gamma, whichever call comes first."""
+    import rlx_tvm
+    from rlx_tvm.testing import as_tensors, compare
+
+    x, dy, g_dx, g_other, beta = _normal(16, 32), _normal(16, 32), _scale(32), _scale(32), _normal(32)
+    params = [tensor_var(n, a.shape, "float64") for n, a in
+              (("x", x), ("dy", dy), ("g_dx", g_dx), ("g_other", g_other), ("beta", beta))]
+    px, pdy, pg, po, pb = params
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            dx = bb.emit(ops.rms_norm_backward_input(px, pg, pb, pdy))
+            dgamma = bb.emit(ops.rms_norm_backward_gamma(px, po, pb, pdy))
+            out = bb.emit_output(relax.Tuple([dx, dgamma]))
+        bb.emit_func_output(out)
+    lowered = rlx_tvm.build.lower(bb.get(), CHECK_TARGET, tuning_log=None, verbose=False)
+    assert "rlx_rms_norm_backward_input_gamma" in [gv.name_hint for gv in lowered.get_global_vars()]
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=tvm.target.Target(CHECK_TARGET)), tvm.cpu())
+    got_dx, got_dgamma = vm["main"](*as_tensors([x, dy, g_dx, g_other, beta]))
+    ref_dx = get_op("rms_norm_backward_input").reference_fn(x, g_dx, beta, dy)
+    ref_dgamma = get_op("rms_norm_backward_gamma").reference_fn(x, g_other, beta, dy)
+    assert compare(got_dx.numpy(), ref_dx, "float64") is None
+    assert compare(got_dgamma.numpy(), ref_dgamma, "float64") is None

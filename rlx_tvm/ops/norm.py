@@ -858,17 +858,19 @@ def _fuse_norm_gradients(family, *opdefs):
         Layer and RMS norm: normalized axis last and static shapes only (else left apart)."""
         calls = {}
         for opdef, call in members:
-            first = calls.setdefault(_role(opdef), call)
+            first = calls.setdefault(_role(opdef), (opdef, call))[1]
             if len(first.args) != len(call.args) or not all(a.same_as(b) for a, b in zip(first.args, call.args)):
                 return None  # two dx of one x and dy with different gammas: left apart
         roles = tuple(r for r in _ROLES if r in calls)
         if len(roles) == 1:
             return None
-        args = {}
-        for opdef, call in members:
-            args.update(zip(opdef.all_inputs, opdef.call_args(call)))
-        attrs = members[0][0].call_attrs(members[0][1])
-        x, gamma, dy = args["x"], args.get("gamma"), args["dy"]
+        opdef, call = members[0]
+        attrs = opdef.call_attrs(call)
+        args = dict(zip(opdef.all_inputs, opdef.call_args(call)))
+        x, dy = args["x"], args["dy"]
+        # gamma enters dx only: the dx call's (the RMS dgamma/dbeta calls take a gamma of their own)
+        gamma = dict(zip(calls["input"][0].all_inputs, calls["input"][0].call_args(calls["input"][1])))["gamma"] \
+            if "input" in calls else None
         shape = [_static_dim(d) for d in x.ty.shape.values]
         dtype = tensor_dtype(x)
         if family == "group_norm":

@@ -24,6 +24,7 @@ class _SiblingFuser(relax.PyExprMutator):
 
     def visit_dataflow_block_(self, block):
         found: dict = {}
+        position = {b.var: k for k, b in enumerate(block.bindings)}
         for binding in block.bindings:
             if not (isinstance(binding, relax.VarBinding) and is_rlx_call(binding.value)):
                 continue
@@ -34,7 +35,11 @@ class _SiblingFuser(relax.PyExprMutator):
             if key is not None:
                 found.setdefault((opdef.siblings.name, key), (opdef.siblings, []))[1].append(binding)
         for fusion, bindings in found.values():
-            if len(bindings) > 1:
+            # Computed where the first member stands: every member's operands must be bound by then
+            # (a norm's dx may read a gamma bound between its dgamma and itself).
+            first = position[bindings[0].var]
+            operands = [a for b in bindings for a in b.value.args if isinstance(a, relax.Var)]
+            if len(bindings) > 1 and all(position.get(a, -1) < first for a in operands):
                 group = _Group(fusion, bindings)
                 self.plan.update({b.var: (group, i) for i, b in enumerate(bindings)})
                 self.groups += 1
