@@ -388,7 +388,10 @@ def check_sibling_groups(groups: Sequence[Sequence[Case]], dtype: str, symbolic:
     lowered module (for checks of which kernels it has)."""
     from .build import lower
 
+    from .passes import FuseSiblingBackwardOps
+
     mod = sibling_groups_module(groups, dtype, symbolic)
+    relax.analysis.well_formed(FuseSiblingBackwardOps()(mod))  # raises when ill-formed
     target = tvm.target.Target(target)
     lowered = lower(mod, target, tuning_log=None, verbose=False)
     vm = relax.VirtualMachine(tvm.compile(lowered, target=target), tvm.cpu())

@@ -889,9 +889,9 @@ def _fuse_norm_gradients(family, *opdefs):
         for k, role in enumerate(roles):
             value = relax.TupleGetItem(out, k)
             if role == "input":
-                results[role] = _op.reshape(value, shape) if flat is not None else value
+                results[role] = bb.emit(_op.reshape(value, shape) if flat is not None else value)
             else:
-                results[role] = _cast(_op.sum(value, axis=sum_axes), acc_dtype(dtype), dtype)
+                results[role] = bb.emit(_cast(_op.sum(value, axis=sum_axes), acc_dtype(dtype), dtype))
         return [results[_role(opdef)] for opdef, _ in members]
 
     return together

@@ -20,7 +20,6 @@ class _SiblingFuser(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule):
         super().__init__(mod)
         self.plan: dict = {}  # binding var -> (group, index in group)
-        self.groups = 0
 
     def visit_dataflow_block_(self, block):
         found: dict = {}
@@ -42,7 +41,6 @@ class _SiblingFuser(relax.PyExprMutator):
             if len(bindings) > 1 and all(position.get(a, -1) < first for a in operands):
                 group = _Group(fusion, bindings)
                 self.plan.update({b.var: (group, i) for i, b in enumerate(bindings)})
-                self.groups += 1
         return super().visit_dataflow_block_(block)
 
     def visit_var_binding_(self, binding):
@@ -53,8 +51,7 @@ class _SiblingFuser(relax.PyExprMutator):
         if group.results is None:
             # At the first member: every member reads the same operands, all bound by now.
             members = [(get_op(b.value.op.name), self.visit_expr(b.value)) for b in group.bindings]
-            group.results = group.fusion.fuse(self.builder_, members) or ()  # () : the fusion declined
-            self.groups -= not group.results
+            group.results = group.fusion.fuse(self.builder_, members) or ()  # (): the fusion declined
         if not group.results:
             return super().visit_var_binding_(binding)
         value = self.builder_.normalize(group.results[index])
