@@ -96,7 +96,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print()
     _table(["kernel stages", "tuned us", "default us", "in the log"],
            [(r.kernel, _us(r.tuned_us), _us(r.default_us),
-             "yes" if r.kept else "no: stale (kernel changed)" if r.stale else "no: default is as fast")
+             "yes" if r.kept else "no: stale (kernel changed)" if r.stale else "no: default as fast (within 5%)")
             for r in exported])
     print(f"\n{sum(r.kept for r in exported)} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--key", help="with --rpc: the device key the RPC servers registered with (--key of rpc_server)")
     tu.add_argument("--keep-all", action="store_true",
                     help="put every kernel's best record in the log; by default a record is re-measured against "
-                         "the kernel's default schedule and left out unless it is faster")
+                         "the kernel's default schedule and left out unless it is at least 5%% faster")
     tu.add_argument("--scale", default="full", choices=["full", "small"],
                     help="suite shapes (default full, the benchmark's; small: a quick check)")
     tu.set_defaults(func=_cmd_tune)

@@ -256,7 +256,7 @@ def test_export_keeps_only_records_faster_than_the_default_schedule(cli_tuned, t
     _, work, _ = cli_tuned
     rows = export_log(str(work), str(tmp_path), cpu_target(), verbose=False)
     assert len(rows) == 2 and all(r.tuned_us > 0 and r.default_us > 0 for r in rows)
-    assert all(r.kept == (r.tuned_us < r.default_us) for r in rows)
+    assert all(r.kept == (r.tuned_us * 1.05 <= r.default_us) for r in rows)  # tuned.MIN_SPEEDUP
     assert len(build.load_tuning_log(str(tmp_path)).get_all_tuning_records()) == sum(r.kept for r in rows)
     rows = export_log(str(work), str(tmp_path), cpu_target(), compare_default=False, verbose=False)  # replaces
     assert [r.kept for r in rows] == [True, True] and all(r.tuned_us is None for r in rows)
