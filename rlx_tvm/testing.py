@@ -15,7 +15,7 @@ import tvm
 from tvm import relax, tirx
 
 from .ops.registry import get_op
-from .passes import DecomposeBackwardOps
+from .passes import DecomposeBackwardOps, FuseSiblingBackwardOps
 
 # Numerical checks compile without LLVM's optimizations: the TensorIR under test is the same, and
 # building is ~3x faster. (The demo, the example model and the benchmarks build at full opt-level.)
@@ -387,8 +387,6 @@ def check_sibling_groups(groups: Sequence[Sequence[Case]], dtype: str, symbolic:
     together on CPU targets) and assert every output matches its case's reference; returns the
     lowered module (for checks of which kernels it has)."""
     from .build import lower
-
-    from .passes import FuseSiblingBackwardOps
 
     mod = sibling_groups_module(groups, dtype, symbolic)
     relax.analysis.well_formed(FuseSiblingBackwardOps()(mod))  # raises when ill-formed

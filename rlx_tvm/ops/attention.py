@@ -561,6 +561,7 @@ def _attention_backward_decompose(bb, q, k, v, dy, bias=None, *, wrt, **attrs):
 
 @attention_backward.fused
 def _attention_backward_fused(bb, q, k, v, dy, bias=None, *, wrt, **attrs):
+    """The kernel of the gradients ``wrt`` (one letter here; several for siblings)."""
     return bb.call_te(
         _te_attention_backward, q, k, v, dy, bias, wrt, **attrs, primfunc_name_hint=f"rlx_attention_backward_{wrt}"
     )
@@ -586,8 +587,7 @@ def _attention_backward_together(bb, members):
     q, k, v, dy, bias = opdef.call_args(first)
 
     def kernel(q, k, v, dy, bias):
-        out = bb.emit(bb.call_te(_te_attention_backward, q, k, v, dy, bias, unique, **attrs,
-                                 primfunc_name_hint=f"rlx_attention_backward_{unique}"))
+        out = bb.emit(_attention_backward_fused(bb, q, k, v, dy, bias, wrt=unique, **attrs))
         return [bb.emit(relax.TupleGetItem(out, n)) for n in range(len(unique))]
 
     chunks = _head_chunks(q, k)

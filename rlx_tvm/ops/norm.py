@@ -270,20 +270,13 @@ class _Rows:
 
         return te.compute(self.row_shape, body, name=name)
 
-    # The names the statistics helpers use for both views (rows here, blocks in _Groups).
-    def stat_sum(self, name, f):
-        return self.row_sum(name, f)
-
-    def stat_mean(self, name, f):
-        return self.row_mean(name, f)
-
-    @property
-    def stat_shape(self):
-        return self.row_shape
-
     def row_mean(self, name, f):
         total = self.at(self.row_sum(name, f))
         return lambda i: total(i) / self.count
+
+    # The names the statistics helpers use for both views (rows here, blocks in _Groups).
+    stat_sum, stat_mean = row_sum, row_mean
+    stat_shape = property(lambda self: self.row_shape)
 
     def chunk_sums(self, name, f, chunks: int):
         """[chunks, *normalized] stage, for 2-D [rows, H] shapes (axis 1): per chunk of
@@ -384,19 +377,12 @@ class _Groups:
 
         return te.compute(self.block_shape, body, name=name)
 
-    def stat_sum(self, name, f):
-        return self.block_sum(name, f)
-
-    def stat_mean(self, name, f):
-        return self.block_mean(name, f)
-
-    @property
-    def stat_shape(self):
-        return self.block_shape
-
     def block_mean(self, name, f):
         total = self.at(self.block_sum(name, f))
         return lambda i: total(i) / self.count
+
+    stat_sum, stat_mean = block_sum, block_mean
+    stat_shape = property(lambda self: self.block_shape)
 
     def channel_sum(self, name, f):
         """[C] stage: sum of ``f`` over the batch and reduced axes."""
@@ -479,8 +465,8 @@ def _ln_kernel(roles, x, axis, eps, partial=None):
     acc = acc_dtype(dtype)
     a = axis % x.ty.ndim
 
-    def kernel(xt, *rest):
-        gt, dyt = rest if "input" in roles else (None, *rest)
+    def kernel(*operands):
+        xt, gt, dyt = _split_operands(roles, operands)
         rows = _Rows(xt.shape, a, acc)
         xv, dyv = _loader(xt, acc), _loader(dyt, acc)
         xh, r = _te_layer_stats(rows, xv, eps)
@@ -576,11 +562,10 @@ def _rms_kernel(roles, x, axis, eps, partial=None):
     acc = acc_dtype(dtype)
     a = axis % x.ty.ndim
 
-    def kernel(*ts):
-        if roles == ("beta",):
-            (dyt,) = ts
-            return _as_dtype(_Rows(dyt.shape, a, acc).column_sum("dbeta", _loader(dyt, acc)), dtype)
-        xt, gt, dyt = ts if "input" in roles else (ts[0], None, ts[1])
+    def kernel(*operands):
+        xt, gt, dyt = _split_operands(roles, operands)
+        if xt is None:  # dbeta alone: no statistics
+            return _param_sum(_Rows(dyt.shape, a, acc), "dbeta", _loader(dyt, acc), dtype, partial)
         rows = _Rows(xt.shape, a, acc)
         xv, dyv = _loader(xt, acc), _loader(dyt, acc)
         r = _te_rms_r(rows, xv, eps)
@@ -721,11 +706,10 @@ def _gn_kernel(roles, x, num_groups, eps, partial=None):
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
 
-    def kernel(*ts):
-        if roles == ("beta",):
-            (dyt,) = ts
-            return _as_dtype(_Groups(dyt.shape, num_groups, acc).channel_sum("dbeta", _loader(dyt, acc)), dtype)
-        xt, gt, dyt = ts if "input" in roles else (ts[0], None, ts[1])
+    def kernel(*operands):
+        xt, gt, dyt = _split_operands(roles, operands)
+        if xt is None:  # dbeta alone: no statistics
+            return _param_sum(_Groups(dyt.shape, num_groups, acc), "dbeta", _loader(dyt, acc), dtype, partial)
         groups = _Groups(xt.shape, num_groups, acc)
         xv, dyv = _loader(xt, acc), _loader(dyt, acc)
         xh, r = _te_layer_stats(groups, xv, eps)
@@ -807,6 +791,9 @@ def _gn_beta_fused(bb, x, dy, *, num_groups, eps):
 # --------------------------------------------------------------------------------------------
 
 _ROLES = ("input", "gamma", "beta")  # output order of a family's kernel
+# Chunks of rows for layer / RMS norm's partial dgamma / dbeta (the parallel loop of the CPU
+# schedule): the most of these that divides the rows and leaves at least 4 rows per chunk.
+ROW_CHUNKS = (64, 32, 16, 8, 4, 2)
 _KERNELS = {"layer_norm": _ln_kernel, "rms_norm": _rms_kernel, "group_norm": _gn_kernel}
 
 
@@ -827,6 +814,14 @@ def _param_sum(view, name, f, dtype, partial):
 def _kernel_operands(roles, x, gamma, dy):
     """What a family kernel reads for ``roles``: x (unless only dbeta), gamma (for dx), dy."""
     return [*([x] if roles != ("beta",) else []), *([gamma] if "input" in roles else []), dy]
+
+
+def _split_operands(roles, operands) -> tuple:
+    """(x, gamma, dy) of a family kernel's operands (:func:`_kernel_operands`), None where absent."""
+    operands = list(operands)
+    x = operands.pop(0) if roles != ("beta",) else None
+    gamma = operands.pop(0) if "input" in roles else None
+    return x, gamma, operands.pop(0)
 
 
 def _fused_alone(bb, family, roles, x, gamma, dy, partial=None, **attrs):
@@ -879,7 +874,7 @@ def _fuse_norm_gradients(family, *opdefs):
             if None in shape or attrs["axis"] % len(shape) != len(shape) - 1:
                 return None
             rows = int(np.prod(shape[:-1]))
-            partial = next((c for c in (64, 32, 16, 8, 4, 2) if rows % c == 0 and rows // c >= 4), 1)
+            partial = next((c for c in ROW_CHUNKS if rows % c == 0 and rows // c >= 4), 1)
             sum_axes, flat = [0], ([rows, shape[-1]] if len(shape) != 2 else None)
             if flat is not None:
                 x, dy = bb.emit(_op.reshape(x, flat)), bb.emit(_op.reshape(dy, flat))

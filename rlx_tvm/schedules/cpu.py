@@ -159,12 +159,7 @@ class ParallelFallback(CPUScheduleRule):
                 # Regenerated in block-var order, rfactor's lane axis first (unit loops dropped).
                 lane_loop, *rest = sch.get_loops(partial)[depth:]
                 sch.reorder(*rest, lane_loop)
-                # Per-row partial sums in a local buffer: LLVM keeps them in registers (in the
-                # global scratch buffer every add is a store and a reload).
-                sch.set_scope(partial, 0, "local")
-                chain, vec = sch.split(lane_loop, factors=[chains, width])
-                sch.unroll(chain)
-                sch.vectorize(vec)
+                _partial_sums_in_registers(sch, partial, lane_loop, chains, width)
             self._vectorize_inner(sch, out, depth, lanes)
         except s_tir.ScheduleError:
             return None
@@ -251,11 +246,7 @@ class ParallelFallback(CPUScheduleRule):
             depth = 2  # the chunk and row-in-chunk loops
             for partial, chains, width in partials.values():
                 # Not moved by compute_at: rfactor left the loops as they were, the lanes innermost.
-                lane_loop = sch.get_loops(partial)[-1]
-                sch.set_scope(partial, 0, "local")
-                chain, vec = sch.split(lane_loop, factors=[chains, width])
-                sch.unroll(chain)
-                sch.vectorize(vec)
+                _partial_sums_in_registers(sch, partial, sch.get_loops(partial)[-1], chains, width)
             self._vectorize_inner(sch, out, depth, lanes)
             for block in chunk_sums:
                 self._vectorize_column_partial(sch, block, depth, lanes)
@@ -459,6 +450,16 @@ class ParallelFallback(CPUScheduleRule):
         return fused
 
 
+def _partial_sums_in_registers(sch: s_tir.Schedule, partial, lane_loop, chains: int, width: int) -> None:
+    """A row's partial sums (``_vector_partial_sums``) in a local buffer, its lane loop as
+    ``chains`` unrolled vectors: LLVM keeps them in registers (in the global scratch buffer every
+    add is a store and a reload)."""
+    sch.set_scope(partial, 0, "local")
+    chain, vec = sch.split(lane_loop, factors=[chains, width])
+    sch.unroll(chain)
+    sch.vectorize(vec)
+
+
 def _vector_width(extent: int | None, lanes: int) -> int | None:
     """The widest vector, a whole one or a half (rows of 56: 8 lanes of 16), that divides a static
     ``extent``; None for a symbolic extent or when neither divides it."""
@@ -511,8 +512,6 @@ def _is_column_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
             return False  # e.g. group norm's x[n, c, hw]: a row reduction over hw
     return contiguous_along_column
 
-
-ROW_CHUNKS = 64  # chunks of rows of a row kernel with column sums: one partial sum per chunk
 
 SMALL_WINDOW = 32  # taps of a window reduction (pooling) scheduled as vectors along its outputs
 
