@@ -160,7 +160,8 @@ class ParallelFallback(CPUScheduleRule):
                 lane_loop, *rest = sch.get_loops(partial)[depth:]
                 sch.reorder(*rest, lane_loop)
                 _partial_sums_in_registers(sch, partial, lane_loop, chains, width)
-            self._vectorize_inner(sch, out, depth, lanes)
+            for stage in [*producers, out]:  # the last stage and kept elementwise ones
+                self._vectorize_inner(sch, stage, depth, lanes)
         except s_tir.ScheduleError:
             return None
         return sch
@@ -625,6 +626,8 @@ def _row_axis(sch: s_tir.Schedule, out, producers: list) -> tuple[int, int] | No
     for read in stmt.reads:
         if not any(read.source.same_as(b) for b in written):
             continue
+        if len(read.region) == len(spatial) and all(r.min.same_as(v) for r, v in zip(read.region, spatial)):
+            continue  # an elementwise stage (softmax-CE's exp): read where it is written, no row of its own
         for rng in read.region:
             index = rng.min
             if isinstance(index, tirx.FloorDiv) and isinstance(index.b, tirx.IntImm):
