@@ -323,25 +323,31 @@ def test_second_derivative_is_exactly_zero():
         np.testing.assert_allclose(grad.numpy(), max_pool2d_vjp(x, c, **attrs), rtol=1e-12, atol=1e-12)
 
 
-def test_default_cpu_schedule_nests_the_window_max_in_the_argmax_vectors():
-    """Under rlx_tvm's default CPU schedule the argmax kernel is one parallel loop whose vector
-    chunks first take the window max, then the first tap equal to it: still exact on ties, on
-    -inf input next to padding, and on distinct values (fp32 and fp64)."""
+def test_cpu_kernel_is_one_parallel_loop_over_planes():
+    """On CPU the op is one kernel (no separate argmax), a parallel loop over (batch, channel)
+    planes with vector loops inside: exact on ties, on -inf input next to padding, on distinct
+    values, and on rows of several vectors of windows, full or not (fp32 and fp64)."""
     from rlx_tvm import build
     from rlx_tvm.schedules.tune import cpu_target
 
     attrs = {"kernel_size": 3, "stride": 2, "padding": 1}
     ties = np.round(RNG.standard_normal((2, 3, 32, 32)))
     ties[1, 2] = -np.inf
-    xs = [ties, _distinct(2, 3, 32, 32)]
+    wide = np.round(RNG.standard_normal((1, 2, 5, 70)) * 2)  # 35 windows per row: 3 vectors, the last partly used
+    xs = [ties, _distinct(2, 3, 32, 32), wide]
     for dtype in ("float32", "float64"):
         cases = [_trap(f"{dtype} {i}", x.astype(dtype), **attrs) for i, x in enumerate(xs)]
+        cases.append(_trap(f"{dtype} dilated", _distinct(1, 2, 6, 75).astype(dtype), kernel_size=(2, 3), stride=(1, 2),
+                           padding=(0, 2), dilation=(1, 3), ceil_mode=True))
         lowered = build.lower(build_module(cases, dtype, False), cpu_target(), tuning_log=None, verbose=False)
-        argmax = [f.script() for g, f in lowered.functions.items() if "argmax" in g.name_hint]
-        assert argmax and all(s.count("T.parallel") == 1 and "best_update" in s and "T.vectorized" in s for s in argmax)
+        names = [g.name_hint for g, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+        assert not [n for n in names if "argmax" in n], names
+        kernels = [f.script() for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_max_pool2d_backward")]
+        assert len(kernels) == 3 and all(  # one per geometry: the two 32 x 32 cases share theirs
+            s.count("T.parallel") == 1 and "T.vectorized" in s for s in kernels)
         vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
         for i, case in enumerate(cases):
             x, dy = (case.cast_inputs(dtype)[k] for k in ("x", "dy"))
             got = vm[f"case_{i}"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy)).numpy()
-            want = max_pool2d_vjp(x.astype("float64"), dy.astype("float64"), **attrs)
+            want = max_pool2d_vjp(x.astype("float64"), dy.astype("float64"), **case.attrs)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=case.name)

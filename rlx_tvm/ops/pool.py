@@ -12,11 +12,12 @@ window lying entirely in padding (only possible with padding > kernel/2, which P
 sends its dy nowhere.
 
 * Fused kernels: per window its max and then the smallest row-major tap index among the real
-  taps equal to it (both plain reductions, so the result does not depend on the reduction order);
-  then dy goes to each window's argmax tap. On CPU that is a scatter, one (batch, channel) plane
-  per parallel iteration (race-free: a plane has one owner). On GPU targets (legalized in their
-  scope) it is a gather instead: for every input position the sum over the windows that contain
-  it of dy where it is their argmax tap.
+  taps equal to it (the result does not depend on the order of evaluation); then dy goes to each
+  window's argmax tap. On CPU one kernel does both per (batch, channel) plane, one plane per
+  parallel iteration (race-free: a plane has one owner), with dy scattered to the winning taps
+  (``_cpu_kernel``). On GPU targets (legalized in their scope) it is two kernels, the argmax and a
+  gather: for every input position the sum over the windows that contain it of dy where it is
+  their argmax tap.
 * Decomposition (graph size independent of the window): ``take`` with a constant index map
   gathers every window's taps into [N, C, kh*kw, Ho, Wo]; the winner is the smallest tap index
   (``min``) among the real taps equal to the window max (``max`` over the tap axis); a second
@@ -36,7 +37,6 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
-from ..schedules.common import KEEP_STAGE
 from ._math import acc_dtype, clamp_index, tensor_dtype
 from .conv import check_pair, check_padding, check_window_fits, same_dim, span, static_dims, window_geometry
 from .registry import Attr, check_bool, check_optional, define_op
@@ -160,30 +160,18 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
     def is_real(y, xx):  # padded-frame coordinates inside the input
         return tirx.all(y >= pt, y < pt + h, xx >= pl, xx < pl + w)
 
-    target = tvm.target.Target.current(allow_none=True)
-    on_gpu = target is not None and "gpu" in target.keys
-
     def argmax_kernel(xt: te.Tensor):
         n, c = xt.shape[:2]
-        if on_gpu:
-            def frame(b, ch, y, xx):
-                # A select of a clamped (always in-bounds) read. Its condition is "the clamp
-                # changed nothing", not the bounds themselves: under a bounds condition TVM's
-                # simplifier proves the clamp redundant and drops it, and the read that the
-                # select evaluates anyway goes out of bounds at the padding.
-                yc, xc = clamp_index(y - pt, h), clamp_index(xx - pl, w)
-                return tirx.Select(tirx.all(yc == y - pt, xc == xx - pl), xt[b, ch, yc, xc].astype(acc), neg_inf)
 
-            framed = te.compute((n, c, hp, wp), frame, name="framed")
-        else:
-            # CPU: the padded frame is a stage of its own, which the default schedule computes
-            # per output row (its border filled, its interior copied: decompose_padding), so that
-            # the window loops read it without a bounds check or a clamp and vectorize.
-            framed = te.compute(
-                (n, c, hp, wp),
-                lambda b, ch, y, xx: tirx.if_then_else(is_real(y, xx), xt[b, ch, y - pt, xx - pl].astype(acc), neg_inf),
-                name="framed", attrs=KEEP_STAGE)
-        return window_argmax(framed)
+        def frame(b, ch, y, xx):
+            # A select of a clamped (always in-bounds) read. Its condition is "the clamp changed
+            # nothing", not the bounds themselves: under a bounds condition TVM's simplifier
+            # proves the clamp redundant and drops it, and the read that the select evaluates
+            # anyway goes out of bounds at the padding.
+            yc, xc = clamp_index(y - pt, h), clamp_index(xx - pl, w)
+            return tirx.Select(tirx.all(yc == y - pt, xc == xx - pl), xt[b, ch, yc, xc].astype(acc), neg_inf)
+
+        return window_argmax(te.compute((n, c, hp, wp), frame, name="framed"))
 
     def window_argmax(framed: te.Tensor):
         n, c = framed.shape[:2]
@@ -246,51 +234,116 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
             return total
         return te.compute(total.shape, lambda *idx: total(*idx).astype(dtype), name="max_pool2d_dx")
 
-    # Two kernels: with the argmax a kernel parameter of the gather, TIR lowering does not have to
-    # bound the gather's data-dependent reads of an intermediate buffer.
-    winner = bb.emit(bb.call_te(argmax_kernel, x, primfunc_name_hint="rlx_max_pool2d_argmax"))
-    if on_gpu:
+    target = tvm.target.Target.current(allow_none=True)
+    if target is not None and "gpu" in target.keys:
+        # Two kernels: with the argmax a kernel parameter of the gather, TIR lowering does not
+        # have to bound the gather's data-dependent reads of an intermediate buffer.
+        winner = bb.emit(bb.call_te(argmax_kernel, x, primfunc_name_hint="rlx_max_pool2d_argmax"))
         return bb.call_te(gather_kernel, winner, dy, primfunc_name_hint="rlx_max_pool2d_backward")
     n, c = x.ty.shape.values[:2]
-    scatter = _scatter_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl))
-    out = bb.emit(relax.call_tir(bb.add_func(scatter, "rlx_max_pool2d_backward"), [winner, dy],
-                                 relax.TensorType(x.ty.shape, acc)))
+    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp)
+    # The kernel writes each plane of dx as a flat array (the routed dy lands at a flat offset).
+    flat = bb.emit(relax.call_tir(bb.add_func(kernel, "rlx_max_pool2d_backward"), [x, dy],
+                                  relax.TensorType([n, c, h * w], acc)))
+    out = relax.op.reshape(flat, x.ty.shape)
     return out if acc == dtype else relax.op.astype(out, dtype)
 
 
-def _scatter_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads) -> tirx.PrimFunc:
-    """The CPU form of the dy routing: every window adds its dy to its argmax tap, one plane
-    (batch, channel) per block iteration, so that the parallel loop over planes is race-free. Reads
-    the argmax and dy once and writes dx once; the gather form visits every input position's
-    candidate windows instead (4 at k3 s2), which costs 4-5x more on CPU."""
+# Windows per vector: 16 lanes (one AVX-512 register of float32, two of AVX2). Wider was slower.
+LANES = 16
+
+
+def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads, hp) -> tirx.PrimFunc:
+    """The CPU kernel: one (batch, channel) plane per iteration of the (parallel) plane loop, so
+    that planes are race-free, and within a plane:
+
+    1. a padded frame of x, split by column phase (``frame[y, p, k]`` holds padded column
+       ``k*sw + p``), so that each tap reads consecutive elements for consecutive windows
+       (stride-free vector loads); NaN marks the padding, which never compares equal or greater;
+    2. per row of windows, in vectors of ``LANES`` windows: the max over the taps, then the first
+       tap equal to it (``min`` of tap ids): two passes whose dependency chains are one ``max`` and
+       one integer ``min`` per tap (a one-pass running argmax was 1.5x slower, latency-bound);
+       that tap as a flat offset in the plane;
+    3. dy added at those offsets, window by window (windows overlap: a scatter that no schedule
+       may reorder), into the zeroed plane of dx;
+
+    and x of the next plane is prefetched along the way (the plane's work is short enough for
+    the hardware prefetcher to fall behind). Written as TIR, not TE: the frame layout, the
+    per-vector state and the scatter are not expressible as TE stages that a schedule could
+    vectorize. NaN inputs never win either (a window of NaN routes nowhere), nor does padding."""
     (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl) = size, out_size, stride, dilation, kernel, pads
     # Symbolic batch/channels: kernel-local vars, bound from the buffers.
     n = _i64(n) if isinstance(n, (int, tirx.IntImm)) else tirx.Var("n", "int64")
     c = _i64(c) if isinstance(c, (int, tirx.IntImm)) else tirx.Var("c", "int64")
-    n_taps = kh * kw
+    n_taps, lanes = kh * kw, LANES
+    n_vec = -(-wo // lanes)
+    wq = n_vec * lanes + (kw - 1) * dw // sw  # a phase row holds every tap of every lane
+    line = 64 // np.dtype(dtype).itemsize  # elements per cache line
+    prefetch_lines = -(-(h * w) // (line * ho))  # of the next plane, per row of windows
+    nan, lowest = tirx.const(float("nan"), acc), tirx.const(NEG_INF, acc)
 
     @T.prim_func(private=True, s_tir=True)
-    def kernel(winner_h: T.handle, dy_h: T.handle, dx_h: T.handle):
+    def kernel(x_h: T.handle, dy_h: T.handle, dx_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        winner = T.match_buffer(winner_h, (n, c, ho, wo), "int32")
+        x = T.match_buffer(x_h, (n, c, h, w), dtype)
         dy = T.match_buffer(dy_h, (n, c, ho, wo), dtype)
-        dx = T.match_buffer(dx_h, (n, c, h, w), acc)
+        dx = T.match_buffer(dx_h, (n, c, h * w), acc)
         for b, ch in T.grid(n, c):
-            # One block per plane, the window loops inside it: every iteration of the (parallel)
-            # plane loop owns its plane of dx, while no schedule can split or vectorize the
-            # windows, whose argmax taps may coincide (overlapping windows).
             with T.sblock("route"):
                 vb, vc = T.axis.remap("SS", [b, ch])
-                T.reads(winner[vb, vc, 0:ho, 0:wo], dy[vb, vc, 0:ho, 0:wo])
-                T.writes(dx[vb, vc, 0:h, 0:w])
-                for y, xx in T.grid(h, w):
-                    dx[vb, vc, y, xx] = T.cast(0, acc)
-                for oy, ox in T.grid(ho, wo):
-                    tap: T.int32 = winner[vb, vc, oy, ox]
-                    if tap < n_taps:  # n_taps: the window holds no real input
-                        dx[vb, vc, oy * sh + tap // kw * dh - pt, ox * sw + tap % kw * dw - pl] = (
-                            dx[vb, vc, oy * sh + tap // kw * dh - pt, ox * sw + tap % kw * dw - pl]
-                            + T.cast(dy[vb, vc, oy, ox], acc))
+                T.reads(x[vb, vc, 0:h, 0:w], dy[vb, vc, 0:ho, 0:wo])
+                T.writes(dx[vb, vc, 0:h * w])
+                frame = T.sblock_alloc_buffer((hp, sw, wq), acc)
+                best = T.sblock_alloc_buffer((lanes,), acc)
+                tap = T.sblock_alloc_buffer((lanes,), "int32")
+                offset = T.sblock_alloc_buffer((n_vec * lanes,), "int32")
+                # The frame: NaN on the border, x inside. (Phase p's real columns are
+                # k in [ceil((pl - p) / sw), floor((w - 1 + pl - p) / sw)].)
+                for y, p, k in T.grid(pt, sw, wq):
+                    frame[y, p, k] = nan
+                for y, p, k in T.grid(hp - pt - h, sw, wq):
+                    frame[pt + h + y, p, k] = nan
+                for y, p in T.grid(h, sw):
+                    for k in range((pl - p + sw - 1) // sw):
+                        frame[pt + y, p, k] = nan
+                    for k in range((pl - p + sw - 1) // sw, T.min((w - 1 + pl - p) // sw + 1, wq)):
+                        frame[pt + y, p, k] = T.cast(x[vb, vc, y, k * sw + p - pl], acc)
+                    for k in range((w - 1 + pl - p) // sw + 1, wq):
+                        frame[pt + y, p, k] = nan
+                for e in T.vectorized(h * w):
+                    dx[vb, vc, e] = T.cast(0, acc)
+                for oy in range(ho):
+                    for q in range(prefetch_lines):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[
+                            T.min(vb * c + vc + 1, n * c - 1) // c, T.min(vb * c + vc + 1, n * c - 1) % c,
+                            T.min((oy * prefetch_lines + q) * line, h * w - 1) // w,
+                            T.min((oy * prefetch_lines + q) * line, h * w - 1) % w]),
+                            T.int32(0), T.int32(3), T.int32(1)))
+                    for v in range(n_vec):
+                        # (No let-bound values inside the vector loops: TVM 0.27's vectorizer
+                        # gets them wrong; each tap's frame element is spelled out instead.)
+                        for l in T.vectorized(lanes):
+                            best[l] = lowest
+                            tap[l] = n_taps
+                        for i, j in T.grid(kh, kw):
+                            for l in T.vectorized(lanes):
+                                best[l] = T.Select(frame[oy * sh + i * dh, j * dw % sw, v * lanes + l + j * dw // sw] > best[l],
+                                                   frame[oy * sh + i * dh, j * dw % sw, v * lanes + l + j * dw // sw], best[l])
+                        for i, j in T.grid(kh, kw):
+                            for l in T.vectorized(lanes):
+                                tap[l] = T.min(tap[l], T.Select(
+                                    frame[oy * sh + i * dh, j * dw % sw, v * lanes + l + j * dw // sw] == best[l],
+                                    T.int32(i * kw + j), T.int32(n_taps)))
+                        for l in T.vectorized(lanes):
+                            # -1: the window holds no real input (only with padding > kernel / 2)
+                            offset[v * lanes + l] = T.Select(
+                                tap[l] < n_taps,
+                                T.Cast("int32", (oy * sh - pt) * w + (v * lanes + l) * sw - pl)
+                                + tap[l] // kw * (dh * w) + tap[l] % kw * dw,
+                                -1)
+                    for ox in range(wo):
+                        if offset[ox] >= 0:
+                            dx[vb, vc, offset[ox]] = dx[vb, vc, offset[ox]] + T.cast(dy[vb, vc, oy, ox], acc)
 
     return kernel
 
