@@ -83,15 +83,16 @@ def exp_f32(x):
 _ERF_SERIES = [2 / math.sqrt(math.pi) * c for c in (1, -1 / 3, 1 / 10, -1 / 42, 1 / 216, -1 / 1320, 1 / 9360)]
 
 
-def erf_f32(x):
+def erf_f32(x, exp_neg_x2=None):
     """erf(x) for float32: its Taylor series for |x| < 0.5 (relative error ~1e-9), Abramowitz &
-    Stegun 7.1.26 above (absolute error <= 1.5e-7, where erf(x) > 0.52)."""
+    Stegun 7.1.26 above (absolute error <= 1.5e-7, where erf(x) > 0.52). ``exp_neg_x2``: exp(-x^2)
+    when the caller has it already (GELU's derivative also needs it), else computed here."""
     ax = tirx.abs(x)
     t = _f32(1.0) / (_f32(1.0) + _f32(0.3275911) * ax)
     poly = _f32(1.061405429)
     for a in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
         poly = poly * t + _f32(a)
-    tail = _f32(1.0) - poly * t * exp_f32(-ax * ax)
+    tail = _f32(1.0) - poly * t * (exp_f32(-(x * x)) if exp_neg_x2 is None else exp_neg_x2)
     y = tirx.Select(x < _f32(0.0), -tail, tail)
     return _nan_passthrough(x, tirx.Select(ax < _f32(0.5), _odd_series(x, _ERF_SERIES), y))
 
@@ -144,6 +145,12 @@ class TirMath:
     log = staticmethod(tirx.log)
     tanh = staticmethod(tir_tanh)
     erf = staticmethod(tir_erf)
+
+    @staticmethod
+    def erf_and_gauss(x):
+        """(erf(x), exp(-x^2)), the exponential computed once for both."""
+        gauss = tir_exp(-(x * x))
+        return (erf_f32(x, gauss) if _is_f32(x) else tirx.erf(x)), gauss
     sqrt = staticmethod(tirx.sqrt)
     sin = staticmethod(tirx.sin)
     cos = staticmethod(tirx.cos)
@@ -196,6 +203,11 @@ class RelaxMath:
     log = staticmethod(relax.op.log)
     tanh = staticmethod(relax.op.tanh)
     erf = staticmethod(relax.op.erf)
+
+    @staticmethod
+    def erf_and_gauss(x):
+        return relax.op.erf(x), relax.op.exp(relax.op.negative(relax.op.multiply(x, x)))
+
     sqrt = staticmethod(relax.op.sqrt)
     sin = staticmethod(relax.op.sin)
     cos = staticmethod(relax.op.cos)
@@ -242,6 +254,10 @@ class NumpyMath:
     @staticmethod
     def erf(x):
         return _np_erf(x)
+
+    @staticmethod
+    def erf_and_gauss(x):
+        return _np_erf(x), np.exp(-(x * x))
 
     @staticmethod
     def sigmoid(x):

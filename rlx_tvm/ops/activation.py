@@ -54,8 +54,11 @@ def _sign(m, x):
 
 
 def _gelu_d(m, x):
-    cdf = m.c(0.5) * (m.c(1.0) + m.erf(x * m.c(_SQRT_HALF)))
-    pdf = m.c(_INV_SQRT_2PI) * m.exp(m.c(-0.5) * x * x)
+    # Phi(x) + x phi(x) with z = x / sqrt(2): phi is exp(-z^2) / sqrt(2 pi), and exp(-z^2) is also
+    # the factor of erf's tail, so the fused kernels compute it once.
+    erf_z, gauss = m.erf_and_gauss(x * m.c(_SQRT_HALF))
+    cdf = m.c(0.5) * (m.c(1.0) + erf_z)
+    pdf = m.c(_INV_SQRT_2PI) * gauss
     return cdf + x * pdf
 
 
