@@ -13,8 +13,10 @@ For every suite kernel (:mod:`rlx_tvm.schedules.suite`) and in one process:
 Repeats are interleaved (round r times every variant once, starting at a different variant each
 round), each timing averages enough calls to last ``min_ms`` and follows a pause of ``settle_ms``,
 and the median over repeats is reported. TVM and torch use the same thread
-count. A parallel copy kernel measured in the same run gives the machine's copy bandwidth, the
-yardstick for memory-bound kernels; compute-bound ones (conv, attention) report GFLOP/s.
+count. A parallel copy kernel, timed in every kernel's rounds alongside its variants, gives the
+machine's copy bandwidth at that time, the yardstick for that memory-bound kernel (on a shared
+machine it moved between 32 and 47 GB/s from one run to the next); compute-bound ones (conv,
+attention) report GFLOP/s.
 """
 
 from __future__ import annotations
@@ -46,12 +48,18 @@ class KernelResult:
     flops: float | None = None
     tuned_kernels: str = ""  # "k/n" kernels with a tuning record
     max_rel_diff: float = 0.0  # largest difference between the TVM variants' outputs
+    copy_gbps: float = 0.0  # the copy kernel's bandwidth, timed in this kernel's rounds
 
     def rate(self, variant: str = "tuned") -> tuple[float, str] | None:
         if variant not in self.ms:
             return None
         secs = self.ms[variant] / 1e3
         return (self.flops / secs / 1e9, "GFLOP/s") if self.flops else (self.bytes / secs / 1e9, "GB/s")
+
+    def copy_fraction(self, variant: str = "tuned") -> float | None:
+        """The memory-bound rate as a fraction of the copy bandwidth of the same rounds."""
+        rate = self.rate(variant)
+        return None if self.flops or rate is None or not self.copy_gbps else rate[0] / self.copy_gbps
 
 
 def _calibrated(run, min_ms: float):
@@ -79,9 +87,13 @@ def _tvm_runner(ex, args):
     return lambda: main(*args)
 
 
-def _copy_bandwidth(target, min_ms: float, repeats: int, n: int = 24 << 20) -> float:
-    """GB/s of a parallel, vectorized float32 copy of ``n`` elements (read + write); 96 MiB a side by
-    default, past the last-level cache, like the memory-bound suite kernels (3 x 32 MiB)."""
+COPY_ELEMENTS = 24 << 20
+
+
+def _copy_runner(target, n: int = COPY_ELEMENTS):
+    """A parallel, vectorized float32 copy of ``n`` elements, whose GB/s (read + write) is the
+    yardstick; 96 MiB a side by default, past the last-level cache, like the memory-bound suite
+    kernels (3 x 32 MiB)."""
     import tvm
     from tvm import te
 
@@ -95,8 +107,10 @@ def _copy_bandwidth(target, min_ms: float, repeats: int, n: int = 24 << 20) -> f
     f = tvm.compile(sch.mod, target=target)
     x = tvm.runtime.tensor(np.ones((n // 1024, 1024), "float32"))
     y = tvm.runtime.empty((n // 1024, 1024), "float32")
-    timer = _calibrated(lambda: f(x, y), min_ms)
-    ms = statistics.median(timer() for _ in range(repeats))
+    return lambda: f(x, y)
+
+
+def _copy_gbps(ms: float, n: int = COPY_ELEMENTS) -> float:
     return 2 * n * 4 / (ms / 1e3) / 1e9
 
 
@@ -143,8 +157,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
     if log is None:
         progress(f"no tuning log for {build.target_key(target)}: the 'tuned' column is left out")
 
-    progress(f"copy bandwidth ({threads} threads) ...")
-    copy_gbps = _copy_bandwidth(target, min_ms, repeats)
+    copy_timer = _calibrated(_copy_runner(target), min_ms)
     results = []
     selected = suite_kernels(kernels)
     for i, kernel in enumerate(selected):
@@ -172,17 +185,20 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
         if torch is not None:
             runners["torch"] = _torch_runner(kernel, inputs)
         timers = {name: _calibrated(run, min_ms) for name, run in runners.items()}
+        timers["copy"] = copy_timer
         samples: dict[str, list[float]] = {name: [] for name in timers}
         names = list(timers)
         for r in range(repeats):  # interleaved: every variant once per round, in rotated order
             for name in names[r % len(names):] + names[:r % len(names)]:
                 time.sleep(settle_ms / 1e3)
                 samples[name].append(timers[name]())
+        res.copy_gbps = _copy_gbps(statistics.median(samples.pop("copy")))
         res.ms = {name: statistics.median(v) for name, v in samples.items()}
         results.append(res)
         progress(f"[{i + 1}/{len(selected)}] {kernel.name}: "
-                 + ", ".join(f"{n} {ms:.3f} ms" for n, ms in res.ms.items()) + f"  ({time.time() - t0:.0f} s)")
-    return _report(results, copy_gbps, threads, target, log, repeats, settle_ms)
+                 + ", ".join(f"{n} {ms:.3f} ms" for n, ms in res.ms.items())
+                 + f", copy {res.copy_gbps:.1f} GB/s  ({time.time() - t0:.0f} s)")
+    return _report(results, threads, target, log, repeats, settle_ms)
 
 
 def _geomean(xs):
@@ -190,7 +206,7 @@ def _geomean(xs):
     return float(np.exp(np.mean(np.log(xs)))) if xs else None
 
 
-def _report(results, copy_gbps, threads, target, log, repeats, settle_ms=SETTLE_MS) -> dict:
+def _report(results, threads, target, log, repeats, settle_ms=SETTLE_MS) -> dict:
     best = "tuned" if all("tuned" in r.ms for r in results) else "default"
     vs_torch = [r.ms[best] / r.ms["torch"] for r in results if "torch" in r.ms]
     vs_tvm = [r.ms["tvm"] / r.ms[best] for r in results]
@@ -199,14 +215,16 @@ def _report(results, copy_gbps, threads, target, log, repeats, settle_ms=SETTLE_
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "target": str(target), "threads": threads, "repeats": repeats, "settle_ms": settle_ms, "tuning_log": log,
-        "copy_gbps": copy_gbps, "compared": best,
+        "copy_gbps": statistics.median(r.copy_gbps for r in results),
+        "copy_gbps_range": [min(r.copy_gbps for r in results), max(r.copy_gbps for r in results)],
+        "compared": best,
         "kernels": [dict(asdict(r), rate=r.rate(best)) for r in results],
         "summary": {
             "geomean_vs_torch": _geomean(vs_torch),
             "worst_vs_torch": max(vs_torch) if vs_torch else None,
             "geomean_speedup_vs_tvm": _geomean(vs_tvm),
             "min_speedup_vs_tvm": min(vs_tvm) if vs_tvm else None,
-            "memory_bound_at_60pct_copy": sum(r.rate(best)[0] >= 0.6 * copy_gbps for r in memory_bound),
+            "memory_bound_at_60pct_copy": sum(r.copy_fraction(best) >= 0.6 for r in memory_bound),
             "memory_bound": len(memory_bound),
         },
     }
@@ -224,14 +242,17 @@ def format_table(report: dict) -> str:
             k["name"], *(f"{ms[v]:.3f}" if v in ms else "-" for v in VARIANTS),
             f"{ms[best] / ms['torch']:.2f}x" if "torch" in ms else "-",
             f"{ms['tvm'] / ms[best]:.1f}x",
-            f"{rate:.1f} {unit}", "-" if unit != "GB/s" else f"{100 * rate / report['copy_gbps']:.0f}%",
+            f"{rate:.1f} {unit}", "-" if unit != "GB/s" else f"{100 * rate / k['copy_gbps']:.0f}%",
             k["tuned_kernels"] or "-", "ok" if k["max_rel_diff"] < 1e-3 else f"DIFF {k['max_rel_diff']:.1e}",
         ])
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     s = report["summary"]
     out = [line(head), line(["-" * w for w in widths]), *map(line, rows), ""]
-    out.append(f"copy bandwidth {report['copy_gbps']:.1f} GB/s, {report['threads']} threads, "
+    low, high = report["copy_gbps_range"]
+    out.append(f"copy bandwidth {report['copy_gbps']:.1f} GB/s (median; {low:.1f}-{high:.1f} in the kernels' rounds, "
+               "each kernel's % against its own), "
+               f"{report['threads']} threads, "
                f"median of {report['repeats']} interleaved repeats; target {report['target']}")
     if s["geomean_vs_torch"] is not None:
         out.append(f"{best} vs PyTorch eager: geomean {s['geomean_vs_torch']:.2f}x of torch's time, "
@@ -252,7 +273,7 @@ def format_markdown(report: dict) -> str:
         rate, unit = k["rate"]
         times = " | ".join(f"{ms[v]:.2f}" if v in ms else "-" for v in VARIANTS)
         vs_torch = f"{ms[best] / ms['torch']:.2f}" if "torch" in ms else "-"
-        pct = f" ({100 * rate / report['copy_gbps']:.0f}% of copy)" if unit == "GB/s" else ""
+        pct = f" ({100 * rate / k['copy_gbps']:.0f}% of copy)" if unit == "GB/s" else ""
         lines.append(f"| {k['name']} | {times} | {vs_torch} | {ms['tvm'] / ms[best]:.1f}x | {rate:.1f} {unit}{pct} |")
     return "\n".join(lines)
 

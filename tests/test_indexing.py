@@ -73,6 +73,11 @@ def _cases():
         _gather_case((2, 3, 4), np.array([[0, 2, 2], [-1, 1, 0]], i64), 1, fd=True, batch={"dy": 0}),
         _gather_case((3, 2, 5), np.array([4, -2, 0, 4], i32), -1, fd=True, batch={"dy": 1}),
         _gather_case((4,), np.array([3, 3, -4, 1], i64), 0, fd=True, batch={"dy": 0, "indices": 0}),
+        # rows of features wide enough for the CPU kernel's chunks of 64 (3 chunks) and of 16 (80 = 5 x 16)
+        _gather_case((9, 192), np.array([0, 8, 8, -1, 3, -9, 2], i64), 0, batch={"dy": 0, "indices": 0},
+                     label="gather_backward[192 features: chunks of 64]"),
+        _gather_case((3, 5, 80), np.array([4, 0, -1, 4], i32), 1, batch={"dy": 0},
+                     label="gather_backward[80 features: chunks of 16]"),
         # indices outside [-dim_size, dim_size) are dropped at run time (np.take would raise, no FD)
         _gather_case((6, 2), np.array([7, -7, 5, -6, 100], i32), 0, batch={"dy": 0, "indices": 0},
                      label="gather_backward[runtime out-of-range dropped]"),

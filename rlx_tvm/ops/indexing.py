@@ -24,11 +24,12 @@ gather_backward
     indices count from the end; an index outside ``[-dim_size, dim_size)`` is an error when the
     indices are a constant and is dropped (never written) at run time.
 
-    * Fused kernel: a TensorIR PrimFunc over the ``[outer, n_idx, inner]`` view: an init block and
-      an accumulation block whose outer and inner (feature) iterators are spatial and whose index
-      iterator is the reduction, so it parallelizes race-free over the features with cost
-      ``O(outer * (dim_size + n_idx) * inner)`` (no dense one-hot). Half types accumulate in a
-      float32 buffer.
+    * Fused kernel: a TensorIR PrimFunc over the ``[outer, n_idx, inner]`` view: an init block,
+      then the accumulation, race-free over the features, with cost ``O(outer * (dim_size + n_idx)
+      * inner)`` (no dense one-hot). On CPU the accumulation is one block per (outer, chunk of up
+      to 64 features) walking all the indices, each visit one vector loop over its chunk; on GPU
+      targets one block per element whose index iterator is the reduction, so that threads bind
+      to the features. Half types accumulate in a float32 buffer.
     * Decomposition: ``scatter_elements(zeros, indices, dy, reduction="add")`` on the same view,
       with the indices normalized and the invalid ones masked to a zero update.
 
@@ -364,12 +365,54 @@ def scatter_add_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner
     return kernel
 
 
+# Features per block of the CPU kernel: 4 AVX-512 vectors of float32 (fewer when they do not divide).
+FEATURE_CHUNK = 64
+
+
+def scatter_add_cpu_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner, dim_size: int) -> tirx.PrimFunc:
+    """The CPU form of :func:`scatter_add_kernel`: one block per (outer, chunk of features), which
+    walks all the indices and adds each dy row's chunk into its output row as one vector loop. The
+    blocks are spatial, so the parallel loop over them is race-free (a chunk has one owner), and
+    every index visit moves whole vectors. (The per-element form's index loop is outside its
+    feature loop, so no schedule can parallelize or vectorize it: its block has no init, and
+    TVM's parallel/vectorize ask for a complete or reduction block.)"""
+    static_inner = _static(inner)
+    chunk = next((c for c in (FEATURE_CHUNK, 32, 16, 8, 4, 2) if static_inner and static_inner % c == 0), 1)
+    outer, n_idx, inner = _fresh(outer, "outer"), _fresh(n_idx, "n_idx"), _fresh(inner, "inner")
+    dim = _i64(dim_size)
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(dy_h: T.handle, idx_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        dy = T.match_buffer(dy_h, (outer, n_idx, inner), dtype)
+        idx = T.match_buffer(idx_h, (n_idx,), idx_dtype)
+        out = T.match_buffer(out_h, (outer, dim, inner), acc)
+        for o, d, i in T.grid(outer, dim, inner):
+            with T.sblock("init"):
+                vo, vd, vi = T.axis.remap("SSS", [o, d, i])
+                out[vo, vd, vi] = T.cast(0, acc)
+        for o, c in T.grid(outer, inner // chunk):
+            with T.sblock("accumulate"):
+                vo, vc = T.axis.remap("SS", [o, c])
+                T.reads(idx[0:n_idx], dy[vo, 0:n_idx, vc * chunk:vc * chunk + chunk])
+                T.writes(out[vo, 0:dim, vc * chunk:vc * chunk + chunk])
+                for j in range(n_idx):
+                    row: T.int64 = T.Cast("int64", idx[j]) + T.if_then_else(idx[j] < 0, dim, T.int64(0))
+                    if 0 <= row and row < dim:
+                        for f in T.vectorized(chunk):
+                            out[vo, row, vc * chunk + f] = out[vo, row, vc * chunk + f] + T.Cast(acc, dy[vo, j, vc * chunk + f])
+
+    return kernel
+
+
 @gather_backward.fused
 def _gather_backward_fused(bb, dy, indices, *, axis, dim_size):
     dtype = tensor_dtype(dy)
     acc = acc_dtype(dtype)
     axis, outer, inner, (n_outer, n_idx, n_inner) = _views(dy, indices, axis)
-    func = scatter_add_kernel(dtype, acc, tensor_dtype(indices), n_outer, n_idx, n_inner, dim_size)
+    target = tvm.target.Target.current(allow_none=True)
+    make = scatter_add_kernel if target is not None and "gpu" in target.keys else scatter_add_cpu_kernel
+    func = make(dtype, acc, tensor_dtype(indices), n_outer, n_idx, n_inner, dim_size)
     gv = bb.add_func(func, "rlx_gather_backward")
     dy3 = bb.emit(relax.op.reshape(dy, [n_outer, n_idx, n_inner]))
     idx1 = bb.emit(relax.op.reshape(indices, [n_idx]))
