@@ -351,3 +351,15 @@ def test_cpu_kernel_is_one_parallel_loop_over_planes():
             got = vm[f"case_{i}"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy)).numpy()
             want = max_pool2d_vjp(x.astype("float64"), dy.astype("float64"), **case.attrs)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=case.name)
+
+
+def test_half_precision_inputs():
+    """float16 and bfloat16 x/dy: compared and accumulated in float32 (overlapping k3 s1 windows
+    add up to 9 dy values per input), rounded once; the result has the input dtype."""
+    case = _trap("half, overlapping", _distinct(2, 3, 9, 40), kernel_size=3, stride=1, padding=1)
+    for dtype in ("float16", "bfloat16"):
+        ref = case.reference(dtype)  # exact math on the rounded inputs
+        (out,) = run_cases([case], dtype, symbolic=False, path="fused")
+        assert str(out.dtype) == dtype
+        err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
+        assert err < 1e-2, (dtype, err)
