@@ -596,6 +596,10 @@ def test_merged_row_schedule_runs_every_stage_in_one_parallel_loop():
         func = lowered[name]
         script = func.script()
         assert script.count("T.parallel") == 1 and 'scope="local"' in script, name
+        # dx, the elementwise stage, in vectors (not a row statistic of the same domain)
+        sch = tvm.s_tir.Schedule(func)
+        dx_loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("dx"))]
+        assert any(lp.kind == tvm.tirx.ForKind.VECTORIZED for lp in dx_loops), name
         tvm.s_tir.analysis.OOBChecker()(tvm.IRModule({"main": func}))
     from rlx_tvm.testing import check_sibling_groups
     check_sibling_groups(groups, "float32", False, target=cpu_target())

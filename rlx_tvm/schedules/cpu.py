@@ -217,7 +217,10 @@ class ParallelFallback(CPUScheduleRule):
         chunks = chunks or n_rows
         if len(stages) < 2:
             return None
-        out = max((b for b, _ in stages), key=lambda b: _block_domain(sch, b) or 0)
+        # The elementwise stage (dx) is the one to vectorize: a row statistic has as large a
+        # domain (rows x reduced row) and comes first.
+        elementwise = [b for b, _ in stages if _reduced_size(sch, b) == 0]
+        out = max(elementwise or [b for b, _ in stages], key=lambda b: _block_domain(sch, b) or 0)
         try:
             partials = {}
             for block, _ in stages:
