@@ -12,7 +12,7 @@ from tvm import relax, tirx
 from rlx_tvm import autodiff, ops
 from rlx_tvm.ops import get_op
 from rlx_tvm.testing import (
-    CHECK_TARGET, Case, GradCase, check_cases, check_finite_differences, check_gradients, finite_difference_vjp,
+    CHECK_TARGET, Case, GradCase, check_cases, compare, check_finite_differences, check_gradients, finite_difference_vjp,
     run_cases,
 )
 
@@ -663,3 +663,51 @@ def test_dx_computed_together_uses_its_own_gamma():
     ref_dgamma = get_op("rms_norm_backward_gamma").reference_fn(x, g_other, beta, dy)
     assert compare(got_dx.numpy(), ref_dx, "float64") is None
     assert compare(got_dgamma.numpy(), ref_dgamma, "float64") is None
+
+
+def test_plain_sum_of_dy_is_computed_with_the_norm_gradients():
+    """A norm's dbeta written as a plain ``sum(dy)`` over every axis but the parameters' (layer
+    norm has no dbeta op; its gradient rule and the benchmark suite write it so) joins the group:
+    one kernel also gives dbeta, which matches the sum, before or after the ops in the block.
+    A sum over other axes, or of another tensor, stays a sum of its own."""
+    from rlx_tvm import build
+    from rlx_tvm.passes import FuseSiblingBackwardOps
+    from rlx_tvm.schedules.tune import cpu_target
+
+    def module(cases, sum_axes, sum_first, summed="dy"):
+        ins = cases[0].inputs | {k: v for c in cases for k, v in c.inputs.items()}
+        params = {k: tensor_var(k, v.shape) for k, v in ins.items()}
+        bb = relax.BlockBuilder()
+        with bb.function("main", list(params.values())):
+            with bb.dataflow():
+                total = relax.op.sum(params[summed], axis=sum_axes)
+                outs = [bb.emit(total)] if sum_first else []
+                outs += [bb.emit(ops.get_op(c.op)(**{k: params[k] for k in c.inputs}, **c.attrs)) for c in cases]
+                outs += [] if sum_first else [bb.emit(total)]
+                gv = bb.emit_output(relax.Tuple(outs))
+            bb.emit_func_output(gv)
+        return bb.get(), ins
+
+    layer = layer_cases((4, 6, 32), "rank 3")
+    rms = rms_cases((24, 16), "no beta op", which=("input", "gamma"))
+    group = group_cases((2, 8, 4, 4), "N=2 G=4", which=("input", "gamma"), num_groups=4)
+    for cases, axes, first, fused in ((layer, [0, 1], True, "rlx_layer_norm_backward_input_gamma_beta"),
+                                      (layer, [-3, -2], False, "rlx_layer_norm_backward_input_gamma_beta"),
+                                      (rms, [0], False, "rlx_rms_norm_backward_input_gamma_beta"),
+                                      (group, [0, 2, 3], True, "rlx_group_norm_backward_input_gamma_beta")):
+        mod, ins = module(cases, axes, first)
+        relax.analysis.well_formed(FuseSiblingBackwardOps()(mod))
+        lowered = build.lower(mod, cpu_target(), tuning_log=None, verbose=False)
+        assert fused in [g.name_hint for g in lowered.functions], fused
+        vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+        outs = [o.numpy() for o in vm["main"](*[tvm.runtime.tensor(v.astype("float32")) for v in ins.values()])]
+        dbeta, grads = (outs[0], outs[1:]) if first else (outs[-1], outs[:-1])
+        np.testing.assert_allclose(dbeta, ins["dy"].sum(axis=tuple(axes)), rtol=1e-4, atol=1e-4, err_msg=fused)
+        for case, out in zip(cases, grads):
+            assert not compare(out, case.reference("float32"), "float32"), case.name
+    # not dbeta: a sum over the normalized axis, or of x
+    for axes, summed in (([2], "dy"), ([0, 1], "x")):
+        mod, _ = module(layer, axes, False, summed)
+        fused = FuseSiblingBackwardOps()(mod)
+        names = [g.name_hint for g in fused.functions]
+        assert "rlx_layer_norm_backward_input_gamma" in names and not any(n.endswith("_beta") for n in names), names

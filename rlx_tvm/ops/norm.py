@@ -476,6 +476,8 @@ def _ln_kernel(roles, x, axis, eps, partial=None):
             outs["input"] = _te_normalized_dx(rows, g, xh, r, xt.shape, dtype, ("mean_g", "mean_gxh"))
         if "gamma" in roles:
             outs["gamma"] = _param_sum(rows, "dgamma", lambda i: dyv(i) * xh(i), dtype, partial)
+        if "beta" in roles:  # (no op: a plain sum(dy) that FuseSiblingBackwardOps takes in)
+            outs["beta"] = _param_sum(rows, "dbeta", dyv, dtype, partial)
         return _in_order(outs, roles)
 
     return kernel
@@ -834,7 +836,20 @@ def _static_dim(d) -> int | None:
 
 
 def _role(opdef) -> str:
-    return opdef.name.rsplit("_", 1)[1]
+    return "beta" if opdef is None else opdef.name.rsplit("_", 1)[1]  # None: an absorbed sum(dy)
+
+
+def _absorbs_dbeta(opdef, call, other) -> bool:
+    """``other`` is ``sum(dy)`` over every axis but the parameters' (a norm's dbeta without an
+    op, as the layer-norm gradient rule and the suite write it) for the norm gradient ``call``."""
+    if not (isinstance(other.op, tvm.ir.Op) and other.op.name == "relax.sum"):
+        return False
+    args = dict(zip(opdef.all_inputs, opdef.call_args(call)))
+    dy, ndim = args["dy"], args["dy"].ty.ndim
+    if not other.args[0].same_as(dy) or other.attrs.axis is None or other.attrs.keepdims or ndim < 1:
+        return False
+    kept = 1 if opdef.name.startswith("group_norm") else opdef.call_attrs(call)["axis"] % ndim
+    return sorted(int(a) % ndim for a in other.attrs.axis) == [a for a in range(ndim) if a != kept]
 
 
 def _norm_sibling_key(opdef, call):
@@ -844,7 +859,7 @@ def _norm_sibling_key(opdef, call):
 
 
 def _fuse_norm_gradients(family, *opdefs):
-    @fuse_siblings(*opdefs, key=_norm_sibling_key)
+    @fuse_siblings(*opdefs, key=_norm_sibling_key, absorb=_absorbs_dbeta)
     def together(bb, members):
         """dx, dgamma (and dbeta) of one norm in one kernel: the row (block) statistics, two
         passes over x, are computed once, and dgamma and dbeta come out as partial sums (per chunk
@@ -853,13 +868,14 @@ def _fuse_norm_gradients(family, *opdefs):
         Layer and RMS norm: normalized axis last and static shapes only (else left apart)."""
         calls = {}
         for opdef, call in members:
-            first = calls.setdefault(_role(opdef), (opdef, call))[1]
-            if len(first.args) != len(call.args) or not all(a.same_as(b) for a, b in zip(first.args, call.args)):
+            first_op, first = calls.setdefault(_role(opdef), (opdef, call))
+            if None not in (opdef, first_op) and (len(first.args) != len(call.args)
+                                                  or not all(a.same_as(b) for a, b in zip(first.args, call.args))):
                 return None  # two dx of one x and dy with different gammas: left apart
         roles = tuple(r for r in _ROLES if r in calls)
         if len(roles) == 1:
             return None
-        opdef, call = members[0]
+        opdef, call = next((o, c) for o, c in members if o is not None)
         attrs = opdef.call_attrs(call)
         args = dict(zip(opdef.all_inputs, opdef.call_args(call)))
         x, dy = args["x"], args["dy"]

@@ -433,19 +433,24 @@ class SiblingFusion:
     probabilities and dS). ``key(opdef, call)``: what calls must agree on to be fused (their
     operands and the attributes other than the one that selects the output), None when a call
     cannot be; ``fuse(bb, members)``: given ``[(opdef, call), ...]``, emit the shared kernel and
-    return one expression per member, in order (or None to leave them apart). Applied by
+    return one expression per member, in order (or None to leave them apart). ``absorb(opdef,
+    call, other)``, optional: whether the plain Relax call ``other`` computes one more result of
+    the group of ``(opdef, call)`` (layer norm's dbeta, ``sum(dy)``, has no op of its own); it
+    then joins the group as the member ``(None, other)``. Applied by
     :class:`rlx_tvm.passes.FuseSiblingBackwardOps`."""
 
     name: str
     key: Callable[["OpDef", relax.Call], Any]
     fuse: Callable[..., list]
+    absorb: Callable[["OpDef", relax.Call, relax.Call], bool] | None = None
 
 
-def fuse_siblings(*opdefs: "OpDef", key: Callable[["OpDef", relax.Call], Any]):
-    """Decorator: ``fuse(bb, members)`` computes calls of ``opdefs`` that share ``key`` together."""
+def fuse_siblings(*opdefs: "OpDef", key: Callable[["OpDef", relax.Call], Any], absorb=None):
+    """Decorator: ``fuse(bb, members)`` computes calls of ``opdefs`` that share ``key`` together
+    (and the plain Relax calls that ``absorb`` recognizes, see :class:`SiblingFusion`)."""
 
     def register(fuse):
-        group = SiblingFusion("+".join(o.name for o in opdefs), key, fuse)
+        group = SiblingFusion("+".join(o.name for o in opdefs), key, fuse, absorb)
         for o in opdefs:
             o.siblings = group
         return fuse

@@ -34,6 +34,12 @@ class _SiblingFuser(relax.PyExprMutator):
             if key is not None:
                 found.setdefault((opdef.siblings.name, key), (opdef.siblings, []))[1].append(binding)
         for fusion, bindings in found.values():
+            if fusion.absorb is not None:
+                lead = bindings[0].value
+                bindings.extend(b for b in block.bindings if isinstance(b, relax.VarBinding)
+                                and isinstance(b.value, relax.Call) and not is_rlx_call(b.value)
+                                and fusion.absorb(get_op(lead.op.name), lead, b.value))
+                bindings.sort(key=lambda b: position[b.var])
             # Computed where the first member stands: every member's operands must be bound by then
             # (a norm's dx may read a gamma bound between its dgamma and itself).
             first = position[bindings[0].var]
@@ -50,7 +56,8 @@ class _SiblingFuser(relax.PyExprMutator):
         group, index = entry
         if group.results is None:
             # At the first member: every member reads the same operands, all bound by now.
-            members = [(get_op(b.value.op.name), self.visit_expr(b.value)) for b in group.bindings]
+            members = [(get_op(b.value.op.name) if is_rlx_call(b.value) else None, self.visit_expr(b.value))
+                       for b in group.bindings]
             group.results = group.fusion.fuse(self.builder_, members) or ()  # (): the fusion declined
         if not group.results:
             return super().visit_var_binding_(binding)
@@ -68,8 +75,8 @@ class _SiblingFuser(relax.PyExprMutator):
 class FuseSiblingBackwardOps:
     """Replace backward calls of one dataflow block that read the same operands and have a
     registered :class:`~rlx_tvm.ops.registry.SiblingFusion` (attention's dq, dk and dv; a norm's
-    dx, dgamma and dbeta) with one kernel computing them together: the stages they share (scores,
-    probabilities, dS; row statistics) run once.
+    dx, dgamma and dbeta, also layer norm's dbeta as a plain ``sum(dy)``) with one kernel computing
+    them together: the stages they share (scores, probabilities, dS; row statistics) run once.
     Calls without siblings are left as they are. ``rlx_tvm.compile`` runs it for CPU targets;
     ``DecomposeBackwardOps`` should run first where both are wanted (a fused group is a
     ``call_tir``, no longer an rlx op)."""
