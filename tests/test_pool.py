@@ -363,3 +363,16 @@ def test_half_precision_inputs():
         assert str(out.dtype) == dtype
         err = np.abs(out.astype(np.float64) - ref).max() / np.abs(ref).max()
         assert err < 1e-2, (dtype, err)
+
+
+def test_prefetch_only_for_llvm_targets():
+    """The CPU kernel prefetches the next plane with an LLVM intrinsic: present for llvm targets,
+    absent for the C target (whose code generator has no LLVM intrinsics)."""
+    from rlx_tvm import build
+    from rlx_tvm.schedules.tune import cpu_target
+
+    case = _trap("prefetch", _distinct(1, 2, 8, 8), kernel_size=2)
+    for target, expected in ((cpu_target(), True), (tvm.target.Target("c"), False)):
+        lowered = build.lower(build_module([case], "float32", False), target, tuning_log=None, verbose=False)
+        script = lowered["rlx_max_pool2d_backward"].script()
+        assert ("llvm.prefetch" in script) == expected, target

@@ -241,7 +241,8 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
         winner = bb.emit(bb.call_te(argmax_kernel, x, primfunc_name_hint="rlx_max_pool2d_argmax"))
         return bb.call_te(gather_kernel, winner, dy, primfunc_name_hint="rlx_max_pool2d_backward")
     n, c = x.ty.shape.values[:2]
-    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp)
+    prefetch = target is None or target.kind.name == "llvm"  # an LLVM intrinsic (not for target "c")
+    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp, prefetch)
     # The kernel writes each plane of dx as a flat array (the routed dy lands at a flat offset).
     flat = bb.emit(relax.call_tir(bb.add_func(kernel, "rlx_max_pool2d_backward"), [x, dy],
                                   relax.TensorType([n, c, h * w], acc)))
@@ -253,7 +254,7 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
 LANES = 16
 
 
-def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads, hp) -> tirx.PrimFunc:
+def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads, hp, prefetch=True) -> tirx.PrimFunc:
     """The CPU kernel: one (batch, channel) plane per iteration of the (parallel) plane loop, so
     that planes are race-free, and within a plane:
 
@@ -314,12 +315,13 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
                 for e in T.vectorized(h * w):
                     dx[vb, vc, e] = T.cast(0, acc)
                 for oy in range(ho):
-                    for q in range(prefetch_lines):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[
-                            T.min(vb * c + vc + 1, n * c - 1) // c, T.min(vb * c + vc + 1, n * c - 1) % c,
-                            T.min((oy * prefetch_lines + q) * line, h * w - 1) // w,
-                            T.min((oy * prefetch_lines + q) * line, h * w - 1) % w]),
-                            T.int32(0), T.int32(3), T.int32(1)))
+                    if prefetch:
+                        for q in range(prefetch_lines):
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[
+                                T.min(vb * c + vc + 1, n * c - 1) // c, T.min(vb * c + vc + 1, n * c - 1) % c,
+                                T.min((oy * prefetch_lines + q) * line, h * w - 1) // w,
+                                T.min((oy * prefetch_lines + q) * line, h * w - 1) % w]),
+                                T.int32(0), T.int32(3), T.int32(1)))
                     for v in range(n_vec):
                         # (No let-bound values inside the vector loops: TVM 0.27's vectorizer
                         # gets them wrong; each tap's frame element is spelled out instead.)
