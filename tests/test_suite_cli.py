@@ -78,17 +78,17 @@ def _assert_in_bounds(prims: dict) -> None:
 
 
 def test_max_pool_padding_reads_stay_in_bounds():
-    """The fused max-pool kernel reads the input through a padded frame, filled and copied per row
-    of windows into a thread-local buffer (``decompose_padding``: the copy needs no bounds check);
-    no read leaves its buffer. (The frame used to be a select of a clamped read, whose clamp TVM's
-    simplifier dropped: the kernel read a row and a column before the input, and crashed when
-    that memory was unmapped.)"""
+    """The CPU max-pool kernel copies the input's real columns into a frame whose border holds NaN
+    (padding never wins), so no read of x needs a clamp or a select, and no read leaves its
+    buffer; the result matches the reference. (The frame used to be a select of a clamped read,
+    whose clamp TVM's simplifier dropped: the kernel read a row and a column before the input, and
+    crashed when that memory was unmapped.)"""
     shapes = {"x": ((2, 3, 32, 32), "normal"), "dy": ((2, 3, 16, 16), "normal")}  # rows of 16 windows
     k = dataclasses.replace(suite_kernel("max_pool2d_backward"), shapes=lambda scale: shapes)
     lowered = build.lower(suite_module(k, "small"), cpu_target(), tuning_log=None, verbose=False)
     prims = {gv.name_hint: f for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
-    script = prims["rlx_max_pool2d_argmax"].script()
-    assert "framed_pad_const" in script and 'scope="local"' in script and "if_then_else" not in script
+    script = prims["rlx_max_pool2d_backward"].script()
+    assert "rlx_max_pool2d_argmax" not in prims and "if_then_else" not in script and "T.Select(" in script
     _assert_in_bounds(prims)
     _close(_run(tvm.compile(lowered, target=cpu_target()), k), suite_reference(k, "small"), k.name)
 
@@ -111,8 +111,9 @@ def test_multi_stage_row_kernels_run_in_one_parallel_loop():
     lowered = build.lower(suite_ir_module(kernels, "small"), cpu_target(), tuning_log=None, verbose=False)
     scripts = {gv.name_hint: f.script() for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
     # The norms' gradients are computed together (one kernel per norm: statistics, dx, and the
-    # partial sums of dgamma / dbeta, merged into one row loop); softmax-CE's stages fused by compute_at.
-    for name in ("rlx_layer_norm_backward_input_gamma", "rlx_group_norm_backward_input_gamma_beta",
+    # partial sums of dgamma / dbeta, merged into one row loop; layer norm's dbeta is the suite's
+    # plain sum(dy), taken in); softmax-CE's stages fused by compute_at.
+    for name in ("rlx_layer_norm_backward_input_gamma_beta", "rlx_group_norm_backward_input_gamma_beta",
                  "rlx_softmax_cross_entropy_backward"):
         script = scripts[name]
         assert script.count("T.parallel") == 1 and script.count("_rf") >= 2 and 'scope="local"' in script, name

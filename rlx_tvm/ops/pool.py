@@ -283,6 +283,8 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     line = 512 // tvm.DataType(dtype).bits  # elements per 64-byte cache line
     prefetch_lines = -(-(h * w) // (line * ho))  # of the next plane, per row of windows
     nan, lowest = tirx.const(float("nan"), acc), tirx.const(NEG_INF, acc)
+    k_lo = min(-(-pl // sw), wq)  # the first k whose columns k*sw + p - pl are all >= 0
+    k_hi = max(k_lo, min((w + pl - sw) // sw + 1, wq))  # past the last k whose columns are all < w
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(x_h: T.handle, dy_h: T.handle, dx_h: T.handle):
@@ -299,19 +301,24 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
                 best = T.sblock_alloc_buffer((lanes,), acc)
                 tap = T.sblock_alloc_buffer((lanes,), "int32")
                 offset = T.sblock_alloc_buffer((n_vec * lanes,), "int32")
-                # The frame: NaN on the border, x inside. (Phase p's real columns are
-                # k in [ceil((pl - p) / sw), floor((w - 1 + pl - p) / sw)].)
+                # The frame: NaN on the border, x inside. Padded column k*sw + p is input column
+                # k*sw + p - pl; for k in [k_lo, k_hi) that is inside the input for every phase p
+                # (a plain copy), the few columns outside that range take a select of a clamped read.
                 for y, p, k in T.grid(pt, sw, wq):
                     frame[y, p, k] = nan
                 for y, p, k in T.grid(hp - pt - h, sw, wq):
                     frame[pt + h + y, p, k] = nan
                 for y, p in T.grid(h, sw):
-                    for k in range((pl - p + sw - 1) // sw):
-                        frame[pt + y, p, k] = nan
-                    for k in range((pl - p + sw - 1) // sw, T.min((w - 1 + pl - p) // sw + 1, wq)):
+                    for k in range(k_lo):
+                        frame[pt + y, p, k] = T.Select(
+                            clamp_index(k * sw + p - pl, w) == k * sw + p - pl,
+                            T.cast(x[vb, vc, y, clamp_index(k * sw + p - pl, w)], acc), nan)
+                    for k in range(k_lo, k_hi):
                         frame[pt + y, p, k] = T.cast(x[vb, vc, y, k * sw + p - pl], acc)
-                    for k in range((w - 1 + pl - p) // sw + 1, wq):
-                        frame[pt + y, p, k] = nan
+                    for k in range(k_hi, wq):
+                        frame[pt + y, p, k] = T.Select(
+                            clamp_index(k * sw + p - pl, w) == k * sw + p - pl,
+                            T.cast(x[vb, vc, y, clamp_index(k * sw + p - pl, w)], acc), nan)
                 for e in T.vectorized(h * w):
                     dx[vb, vc, e] = T.cast(0, acc)
                 for oy in range(ho):
