@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Times each suite kernel compiled four ways in one process: rlx_tvm with the tuning log, rlx_tvm "
             "with default schedules, TVM's own formulation (relax.op.grad ops, else the decomposition) with "
-            "plain tvm.compile, and PyTorch eager backward (when installed); interleaved repeats in rotated "
+            "plain tvm.compile, and PyTorch eager backward (when installed); interleaved repeats in shuffled "
             "order with a pause before each timing, median, "
             "same thread count; GB/s against a copy kernel measured in the same run (GFLOP/s for conv and "
             "attention). Prints a table; --json writes the numbers."),
