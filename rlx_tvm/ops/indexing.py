@@ -334,48 +334,23 @@ def _fresh(dim, name):
     return _i64(s) if s is not None else tirx.Var(name, "int64")
 
 
-def scatter_add_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner, dim_size: int) -> tirx.PrimFunc:
-    """``out[o, wrap(idx[j]), i] += dy[o, j, i]`` over ``[outer, n_idx, inner]`` (``out`` in the
-    accumulation dtype ``acc``); indices outside ``[-dim_size, dim_size)`` are skipped. The index
-    loop is the block's reduction iterator and the feature loops are spatial, so parallelizing
-    over them is race-free."""
-    outer, n_idx, inner = _fresh(outer, "outer"), _fresh(n_idx, "n_idx"), _fresh(inner, "inner")
-    dim = _i64(dim_size)
-
-    @T.prim_func(private=True, s_tir=True)
-    def kernel(dy_h: T.handle, idx_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        dy = T.match_buffer(dy_h, (outer, n_idx, inner), dtype)
-        idx = T.match_buffer(idx_h, (n_idx,), idx_dtype)
-        out = T.match_buffer(out_h, (outer, dim, inner), acc)
-        for o, d, i in T.grid(outer, dim, inner):
-            with T.sblock("init"):
-                vo, vd, vi = T.axis.remap("SSS", [o, d, i])
-                out[vo, vd, vi] = T.cast(0, acc)
-        for o, j, i in T.grid(outer, n_idx, inner):
-            with T.sblock("accumulate"):
-                vo, vj, vi = T.axis.remap("SRS", [o, j, i])
-                # The row written depends on the data: declare the whole column as touched.
-                T.reads(idx[vj], dy[vo, vj, vi], out[vo, 0:dim, vi])
-                T.writes(out[vo, 0:dim, vi])
-                row: T.int64 = T.Cast("int64", idx[vj]) + T.if_then_else(idx[vj] < 0, dim, T.int64(0))
-                if 0 <= row and row < dim:
-                    out[vo, row, vi] = out[vo, row, vi] + T.Cast(acc, dy[vo, vj, vi])
-
-    return kernel
-
-
-# Features per block of the CPU kernel: 4 AVX-512 vectors of float32 (fewer when they do not divide).
+# Features per block of the CPU form: 4 AVX-512 vectors of float32 (fewer when they do not divide).
 FEATURE_CHUNK = 64
 
 
-def scatter_add_cpu_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner, dim_size: int) -> tirx.PrimFunc:
-    """The CPU form of :func:`scatter_add_kernel`: one block per (outer, chunk of features), which
-    walks all the indices and adds each dy row's chunk into its output row as one vector loop. The
-    blocks are spatial, so the parallel loop over them is race-free (a chunk has one owner), and
-    every index visit moves whole vectors. (The per-element form's index loop is outside its
-    feature loop, so no schedule can parallelize or vectorize it: its block has no init, and
-    TVM's parallel/vectorize ask for a complete or reduction block.)"""
+def scatter_add_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner, dim_size: int,
+                       chunked: bool = True) -> tirx.PrimFunc:
+    """``out[o, wrap(idx[j]), i] += dy[o, j, i]`` over ``[outer, n_idx, inner]`` (``out`` in the
+    accumulation dtype ``acc``); indices outside ``[-dim_size, dim_size)`` are skipped. Race-free
+    over the features in both forms:
+
+    * ``chunked`` (CPU): one block per (outer, chunk of features), which walks all the indices and
+      adds each dy row's chunk to its output row as one vector loop; the blocks are spatial, so the
+      parallel loop over them is race-free (a chunk has one owner). (In the per-element form the
+      index loop is outside the feature loop, and no CPU schedule can parallelize or vectorize
+      it: TVM's parallel/vectorize ask for a complete or reduction block, and it has no init.)
+    * per element (GPU): the index loop is the block's reduction iterator and the feature loops
+      are spatial, which threads bind to."""
     static_inner = _static(inner)
     chunk = next((c for c in (FEATURE_CHUNK, 32, 16, 8, 4, 2) if static_inner and static_inner % c == 0), 1)
     outer, n_idx, inner = _fresh(outer, "outer"), _fresh(n_idx, "n_idx"), _fresh(inner, "inner")
@@ -391,16 +366,27 @@ def scatter_add_cpu_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, i
             with T.sblock("init"):
                 vo, vd, vi = T.axis.remap("SSS", [o, d, i])
                 out[vo, vd, vi] = T.cast(0, acc)
-        for o, c in T.grid(outer, inner // chunk):
-            with T.sblock("accumulate"):
-                vo, vc = T.axis.remap("SS", [o, c])
-                T.reads(idx[0:n_idx], dy[vo, 0:n_idx, vc * chunk:vc * chunk + chunk])
-                T.writes(out[vo, 0:dim, vc * chunk:vc * chunk + chunk])
-                for j in range(n_idx):
-                    row: T.int64 = T.Cast("int64", idx[j]) + T.if_then_else(idx[j] < 0, dim, T.int64(0))
+        if chunked:
+            for o, c in T.grid(outer, inner // chunk):
+                with T.sblock("accumulate"):
+                    vo, vc = T.axis.remap("SS", [o, c])
+                    T.reads(idx[0:n_idx], dy[vo, 0:n_idx, vc * chunk:vc * chunk + chunk])
+                    T.writes(out[vo, 0:dim, vc * chunk:vc * chunk + chunk])
+                    for j in range(n_idx):
+                        row: T.int64 = T.Cast("int64", idx[j]) + T.if_then_else(idx[j] < 0, dim, T.int64(0))
+                        if 0 <= row and row < dim:
+                            for f in T.vectorized(chunk):
+                                out[vo, row, vc * chunk + f] = out[vo, row, vc * chunk + f] + T.Cast(acc, dy[vo, j, vc * chunk + f])
+        else:
+            for o, j, i in T.grid(outer, n_idx, inner):
+                with T.sblock("accumulate"):
+                    vo, vj, vi = T.axis.remap("SRS", [o, j, i])
+                    # The row written depends on the data: declare the whole column as touched.
+                    T.reads(idx[vj], dy[vo, vj, vi], out[vo, 0:dim, vi])
+                    T.writes(out[vo, 0:dim, vi])
+                    row: T.int64 = T.Cast("int64", idx[vj]) + T.if_then_else(idx[vj] < 0, dim, T.int64(0))
                     if 0 <= row and row < dim:
-                        for f in T.vectorized(chunk):
-                            out[vo, row, vc * chunk + f] = out[vo, row, vc * chunk + f] + T.Cast(acc, dy[vo, j, vc * chunk + f])
+                        out[vo, row, vi] = out[vo, row, vi] + T.Cast(acc, dy[vo, vj, vi])
 
     return kernel
 
@@ -411,8 +397,8 @@ def _gather_backward_fused(bb, dy, indices, *, axis, dim_size):
     acc = acc_dtype(dtype)
     axis, outer, inner, (n_outer, n_idx, n_inner) = _views(dy, indices, axis)
     target = tvm.target.Target.current(allow_none=True)
-    make = scatter_add_kernel if target is not None and "gpu" in target.keys else scatter_add_cpu_kernel
-    func = make(dtype, acc, tensor_dtype(indices), n_outer, n_idx, n_inner, dim_size)
+    on_gpu = target is not None and "gpu" in target.keys
+    func = scatter_add_kernel(dtype, acc, tensor_dtype(indices), n_outer, n_idx, n_inner, dim_size, chunked=not on_gpu)
     gv = bb.add_func(func, "rlx_gather_backward")
     dy3 = bb.emit(relax.op.reshape(dy, [n_outer, n_idx, n_inner]))
     idx1 = bb.emit(relax.op.reshape(indices, [n_idx]))
