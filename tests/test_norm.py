@@ -605,6 +605,20 @@ def test_merged_row_schedule_runs_every_stage_in_one_parallel_loop():
     check_sibling_groups(groups, "float32", False, target=cpu_target())
 
 
+def test_merged_row_schedule_with_a_batch_of_one():
+    """Group norm with N = 1: the normalized blocks have no iterator for the unit batch while its
+    buffers keep the dim; the stages still merge into one parallel loop over the groups (they
+    were left to per-stage schedules, twice as slow), and the results match."""
+    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.testing import check_sibling_groups
+
+    groups = [group_cases((1, 16, 8, 8), "N=1 G=8", num_groups=8)]
+    lowered = check_sibling_groups(groups, "float32", False, target=cpu_target())
+    func = lowered["rlx_group_norm_backward_input_gamma_beta"]
+    assert func.script().count("T.parallel") == 1
+    tvm.s_tir.analysis.OOBChecker()(tvm.IRModule({"main": func}))
+
+
 def test_gradients_are_not_computed_together_before_an_operand_exists():
     """A dx whose gamma is bound after the dgamma of the same x and dy stays apart (computing both
     at the dgamma would read gamma before it exists)."""

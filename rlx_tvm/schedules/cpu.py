@@ -180,7 +180,7 @@ class ParallelFallback(CPUScheduleRule):
         stage and reads the others' results only as one value per row, at its own row
         (``_reads_only_own_row``); None otherwise (``sch`` is then a spoiled copy)."""
         first = sch.get(blocks[0].block_rv)
-        n_row = len(first.writes[0].region)
+        n_row = len(_row_region(first.writes[0]))
         row_extents = [_static(iv.dom.extent) for iv in first.iter_vars[:n_row]]
         if n_row == 0 or None in row_extents:
             return None
@@ -211,7 +211,7 @@ class ParallelFallback(CPUScheduleRule):
                 return None
             if not _reads_only_own_row(stmt, expected, row_buffers, written, analyzer):
                 return None
-            if len(stmt.writes[0].region) == n_row and group is not None:
+            if len(_row_region(stmt.writes[0])) == n_row and group is not None:
                 row_buffers.append(stmt.writes[0].source)
             written.append(stmt.writes[0].source)
         chunks = chunks or n_rows
@@ -536,13 +536,20 @@ def _row_group(stmt, row_extents: list) -> int | None:
     return extents[-1] // row_extents[-1]
 
 
+def _row_region(access) -> list:
+    """The region of a buffer access without the buffer's unit dims (a batch of 1: the blocks'
+    iterators, normalized, have none for it)."""
+    return [r for r, n in zip(access.region, access.source.shape) if _static(n) != 1]
+
+
 def _reads_only_own_row(stmt, expected: list, row_buffers: list, written: list, analyzer) -> bool:
     """Every read of a per-row result (``row_buffers``) is one element at the ``expected`` row
     index; nothing else another stage writes (``written``) is read."""
     for read in stmt.reads:
         if any(read.source.same_as(b) for b in row_buffers):
-            if len(read.region) != len(expected) or any(_static(r.extent) != 1 for r in read.region) or not all(
-                    analyzer.can_prove_equal(r.min, e) for r, e in zip(read.region, expected)):
+            region = _row_region(read)
+            if len(region) != len(expected) or any(_static(r.extent) != 1 for r in region) or not all(
+                    analyzer.can_prove_equal(r.min, e) for r, e in zip(region, expected)):
                 return False
         elif any(read.source.same_as(b) for b in written):
             return False
