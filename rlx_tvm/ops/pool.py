@@ -270,9 +270,9 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
 
     and x of the next plane is prefetched along the way, a slice per row of windows (about 10%
     faster at (8, 64, 112, 112): the plane's reads then overlap the previous plane's work).
-    Written as TIR, not TE: the frame layout, the
-    per-vector state and the scatter are not expressible as TE stages that a schedule could
-    vectorize. NaN inputs never win either (a window of NaN routes nowhere), nor does padding."""
+    Written as TIR, not TE: the frame layout, the per-vector state and the scatter are not
+    expressible as TE stages that a schedule could vectorize. NaN inputs never win either (a
+    window of NaN routes nowhere), nor does padding."""
     (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl) = size, out_size, stride, dilation, kernel, pads
     # Symbolic batch/channels: kernel-local vars, bound from the buffers.
     n = _i64(n) if isinstance(n, (int, tirx.IntImm)) else tirx.Var("n", "int64")
