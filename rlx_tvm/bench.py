@@ -10,12 +10,12 @@ For every suite kernel (:mod:`rlx_tvm.schedules.suite`) and in one process:
 * ``torch``: PyTorch eager CPU, the backward only (``torch.autograd.grad`` on a saved forward),
   when torch is installed.
 
-Repeats are interleaved (each round times every variant once, in a shuffled order, seeded), each timing averages enough calls to last ``min_ms`` and follows a pause of ``settle_ms``,
-and the median over repeats is reported. TVM and torch use the same thread
-count. A parallel copy kernel, timed in every kernel's rounds alongside its variants, gives the
-machine's copy bandwidth at that time, the yardstick for that memory-bound kernel (on a shared
-machine it moved between 32 and 47 GB/s from one run to the next); compute-bound ones (conv,
-attention) report GFLOP/s.
+Repeats are interleaved (each round times every variant once, in a shuffled order, seeded), each
+timing averages enough calls to last ``min_ms`` and follows a pause of ``settle_ms``, and the
+median over repeats is reported. TVM and torch use the same thread count. A parallel copy kernel,
+timed in every kernel's rounds alongside its variants, gives the machine's copy bandwidth at that
+time, the yardstick for that memory-bound kernel (on a shared machine it moved between 29.5 and 52
+GB/s, up to 1.6x within one run); compute-bound ones (conv, attention) report GFLOP/s.
 """
 
 from __future__ import annotations

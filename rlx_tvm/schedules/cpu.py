@@ -19,7 +19,7 @@ from tvm.sym import Analyzer, detect_linear_equation
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
-from .common import inlined_blocks, is_kept
+from .common import inlined_blocks
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
 
@@ -52,62 +52,9 @@ class ParallelFallback(CPUScheduleRule):
             fused = self._fuse_rows(sch.copy(), blocks, lanes) or self._merge_row_stages(sch.copy(), blocks, lanes)
             if fused is not None:
                 return fused
-        # A window reduction read only by the next one over the same outputs (max-pool's window
-        # max, then its argmax) is computed inside the consumer's vector chunks, where its values
-        # are still in registers, instead of in a pass of its own.
-        nested = {}
-        for producer, consumer in zip(blocks, blocks[1:]):
-            if self._window_width(sch, producer, lanes) and self._window_width(sch, consumer, lanes) \
-                    and _only_consumer(sch, producer.block_rv, consumer.block_rv) \
-                    and _same_domain(producer, consumer):
-                nested[consumer.name] = producer
-        inner = {info.name for info in nested.values()}
-        # A kept padded copy read only by window reductions (max-pool's frame): computed per row
-        # of the windows, below, instead of in a pass of its own.
-        frames = [info for info in blocks if is_kept(sch, info.block_rv) and set(info.dom_kind()) == {"S"}
-                  and _consumers_are(sch, info.block_rv, [*nested, *inner])]
-        windows = []
         for info in blocks:
-            if info.name in inner or info in frames:
-                continue
-            chunk_loop = self._schedule_block(sch, info, lanes)
-            if info.name in nested and chunk_loop is not None:
-                producer = nested[info.name]
-                sch.compute_at(producer.block_rv, chunk_loop)
-                self._vectorize_window(sch, producer.block_rv, len(producer.dom_kind().lstrip("S")))
-                windows.append((info.block_rv, chunk_loop))
-        for info in frames:
-            self._schedule_frame(sch, info, windows, lanes)
-        return sch
-
-    def _schedule_frame(self, sch: s_tir.Schedule, info, windows: list, lanes: int) -> None:
-        """A padded copy of the input (``if_then_else`` of a read, else the pad value) consumed by
-        window reductions: the rows one row of windows needs are computed under that row's
-        parallel iteration, split by ``decompose_padding`` into a fill of the pad value and a copy
-        of the interior, which needs no bounds check and vectorizes. The windows then read the
-        frame with neither checks nor clamps. Without a window loop: a pass of its own."""
-        depth = None
-        if len(windows) == 1:
-            block, chunk = windows[0]
-            loops = sch.get_loops(block)
-            depth = next(k for k, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(chunk)))
-        if not depth:
             self._schedule_block(sch, info, lanes)
-            return
-        sch.compute_at(info.block_rv, loops[depth - 1])
-        # Local: each iteration gets its own rows (neighbouring rows of windows overlap, and a
-        # shared frame would be refilled by one thread while another reads it).
-        sch.set_scope(info.block_rv, 0, "local")
-        frame_loops = sch.get_loops(info.block_rv)[depth:]
-        try:
-            sch.decompose_padding(info.block_rv, frame_loops[0])
-        except s_tir.ScheduleError:
-            return  # stays one guarded loop: correct, scalar
-        copy_inner = sch.get_loops(info.block_rv)[-1]
-        width = _vector_width(_static(sch.get(copy_inner).extent), lanes)
-        if width is not None:
-            _, vec = sch.split(copy_inner, factors=[None, width])
-            sch.vectorize(vec)
+        return sch
 
     def _fuse_rows(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
         """Multi-stage row kernels (norm backward: mean, variance, rstd, two more sums, then dx;
@@ -120,7 +67,7 @@ class ParallelFallback(CPUScheduleRule):
         copy, to be dropped)."""
         out = blocks[-1].block_rv
         producers = [info.block_rv for info in blocks[:-1]]
-        # Only for stages that re-read long rows; small windows (pooling) are nested otherwise.
+        # Only for stages that re-read long rows; small windows (pooling) are not row kernels.
         reduced = [_reduced_size(sch, p) for p in producers]
         if not any(n is not None and n >= 16 * lanes for n in reduced) \
                 or any(n is not None and 0 < n <= SMALL_WINDOW for n in reduced):
@@ -323,21 +270,10 @@ class ParallelFallback(CPUScheduleRule):
             return None
         return _vector_width(extents[n_lead - 1], lanes)
 
-    def _vectorize_window(self, sch, block, n_reduced: int) -> None:
-        """A window reduction that ``compute_at`` put inside a consumer's vector chunk (its new
-        loops: the chunk's elements, then the taps): the taps outside, a vector of the chunk inside."""
-        loops = sch.get_loops(block)
-        taps, chunk = loops[-n_reduced:], loops[-n_reduced - 1]
-        sch.reorder(*taps, chunk)
-        sch.vectorize(chunk)
-        init = sch.decompose_reduction(block, taps[0])
-        sch.vectorize(sch.get_loops(init)[-1])
-
     def _schedule_window(self, sch, block, lead, reduced, width: int):
         """out[..., j] = reduce over a small window of in[..., s*j + t] (pooling): chunks of
         ``width`` outputs along the innermost axis, each a vector accumulated over the taps (a
-        serial loop per output is a few dependent scalar steps with a branch each). Returns the
-        chunk loop."""
+        serial loop per output is a few dependent scalar steps with a branch each)."""
         chunks, vec = sch.split(lead[-1], factors=[None, width])
         sch.reorder(*lead[:-1], chunks, *reduced, vec)
         sch.vectorize(vec)
@@ -347,7 +283,6 @@ class ParallelFallback(CPUScheduleRule):
             sch.parallel(chunks)
         init = sch.decompose_reduction(block, reduced[0])
         sch.vectorize(sch.get_loops(init)[-1])
-        return chunks
 
     def _schedule_block(self, sch: s_tir.Schedule, info, lanes: int) -> None:
         block = info.block_rv
@@ -475,19 +410,6 @@ def _vector_width(extent: int | None, lanes: int) -> int | None:
 def _iter_extent(it) -> int | None:
     """A dlight iter's static extent (it gives an int when static)."""
     return it.dom if isinstance(it.dom, int) else None
-
-
-def _only_consumer(sch: s_tir.Schedule, producer, consumer) -> bool:
-    consumers = sch.get_consumers(producer)
-    return len(consumers) == 1 and sch.get(consumers[0]).same_as(sch.get(consumer))
-
-
-def _same_domain(a, b) -> bool:
-    """Two dlight block infos with the same spatial iteration extents."""
-    def spatial(info):
-        return [_iter_extent(it) for it in info.iters if it.kind == "S"]
-
-    return None not in spatial(a) and spatial(a) == spatial(b)
 
 
 def _uses(expr, var) -> bool:
@@ -676,8 +598,3 @@ def _work(sch: s_tir.Schedule, block) -> int | None:
     """Iterations a block executes where it is now: the product of its enclosing loops."""
     extents = [_static(sch.get(loop).extent) for loop in sch.get_loops(block)]
     return None if None in extents else prod(extents)
-
-
-def _consumers_are(sch: s_tir.Schedule, block, names: list) -> bool:
-    consumers = sch.get_consumers(block)
-    return bool(consumers) and all(sch.get(c).name_hint in names for c in consumers)
