@@ -153,6 +153,35 @@ def test_cumsum_on_axis_0_and_middle_axis_of_rank_3():
             np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12, err_msg=f"{path} axis {a}")
 
 
+def test_cpu_scan_along_the_contiguous_axis_is_vectorized():
+    """With default CPU schedules, a cumsum along the last axis is one parallel loop over rows
+    whose scan runs a vector at a time (lane shuffles; no serial chain per element): lengths with
+    and without a tail, exclusive or not, symbolic rows and length, float32/float64/float16."""
+    from rlx_tvm import build
+    from rlx_tvm.schedules.tune import cpu_target
+
+    lengths = (1, 7, 8, 9, 64, 203)
+    for dtype in ("float32", "float64", "float16"):
+        cases = [Case("cumsum_backward", {"dy": RNG.standard_normal((3, n))}, {"axis": -1, "exclusive": e},
+                      batch={"dy": int(e)})  # symbolic: rows for the inclusive ones, the length for the others
+                 for n in lengths for e in (False, True)]
+        for symbolic in (False, True):
+            mod = build_module(cases, dtype, symbolic)
+            lowered = build.lower(mod, cpu_target(), tuning_log=None, verbose=False)
+            scans = [f.script() for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_cumsum_backward")]
+            assert scans and all("T.Shuffle" in s and s.count("T.parallel") == 1 for s in scans), scans[:1]
+            vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+            for i, case in enumerate(cases):
+                dy = case.cast_inputs(dtype)["dy"]
+                got = vm[f"case_{i}"](tvm.runtime.tensor(dy)).numpy().astype(np.float64)
+                exact = np.cumsum(dy.astype(np.float64)[:, ::-1], axis=1)[:, ::-1]
+                want = exact - dy if case.attrs["exclusive"] else exact
+                # one rounding to dtype, plus float64 summation-order error (ours and NumPy's)
+                magnitude = np.cumsum(np.abs(dy.astype(np.float64))[:, ::-1], axis=1)[:, ::-1]
+                tol = np.finfo(dtype).eps * np.maximum(np.abs(want), 1.0) + 8 * dy.shape[1] * 2.0**-52 * magnitude
+                assert (np.abs(got - want) <= tol).all(), (dtype, symbolic, dy.shape, case.attrs)
+
+
 def test_gather_duplicates_negatives_axis_and_index_dtypes():
     """Hand-computed adjoints: duplicate indices accumulate, -1 is the last row, axis 1 works, and
     int32 and int64 indices agree; out-of-range indices write nothing."""

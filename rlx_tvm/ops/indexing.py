@@ -5,8 +5,10 @@ cumsum_backward
     ``dx_i = sum_{j >= i} dy_j`` along ``axis`` (``exclusive``: ``j > i``), the adjoint of
     ``cumsum(x, axis, exclusive)``. Any axis, any (also symbolic) length.
 
-    * Fused kernel, CPU: one serial reverse scan per row (the rows are the parallel loop) with a
-      float64 running sum, so each output is rounded once; it reads dy once and writes dx once.
+    * Fused kernel, CPU: one reverse scan per row (the rows are the parallel loop) with a float64
+      running sum, so each output is rounded once; it reads dy once and writes dx once. Along the
+      contiguous axis it goes a vector of 8 at a time (in-register shifted adds, then the carry);
+      along another axis it is serial over the axis and vectorized over the elements after it.
     * Fused kernel, GPU targets (legalized in a GPU target's scope): a blocked reverse scan in plain
       ``te.compute`` reductions, no serial loop. With blocks of ``B`` elements, ``dx_i = (suffix of dy inside i's block) + (sum of the totals
       of the blocks after it)``: the in-block suffix is a masked ``B``-term reduction per element
@@ -133,6 +135,11 @@ def _cumsum_backward_fused(bb, dy, *, axis, exclusive=False):
     return cumsum_backward_serial(bb, dy, axis=axis, exclusive=exclusive)
 
 
+# Vector length of the CPU scan along a contiguous axis (_suffix_sum_rows_kernel; 8 float64 =
+# one AVX-512 register): a serial float64 chain is latency-bound at ~4 cycles per element.
+SCAN_LANES = 8
+
+
 def suffix_sum_kernel(dtype: str, outer, n, inner, exclusive: bool) -> tirx.PrimFunc:
     """``out[o, j, i] = sum_{k >= j} dy[o, k, i]`` (``k > j`` when exclusive) over the
     ``[outer, n, inner]`` view: one block per ``o`` (the parallel loop) walking ``j`` downwards
@@ -167,16 +174,83 @@ def suffix_sum_kernel(dtype: str, outer, n, inner, exclusive: bool) -> tirx.Prim
     return kernel
 
 
+def _shifted_down(lanes: int, by: int) -> list[int]:
+    """Shuffle indices taking lane ``l + by`` of a vector into lane ``l`` (lane ``lanes``, a zero
+    of the second operand, past the end)."""
+    return [min(l + by, lanes) for l in range(lanes)]
+
+
+def _suffix_sum_rows_kernel(dtype: str, outer, n, exclusive: bool) -> tirx.PrimFunc:
+    """The scan along a contiguous axis (``[outer, n]``), one block per row, ``SCAN_LANES``
+    elements at a time from the end: a vector's own suffix sums by log2(lanes) shifted adds (lane
+    shuffles), plus the carried total of the vectors after it, so the chain between vectors is
+    one add (a serial scan has one per element and is latency-bound). The row's last ``n %
+    SCAN_LANES`` elements run serially first. float64 throughout: one rounding per output."""
+    lanes, run_dtype = SCAN_LANES, "float64"
+    vec = f"{run_dtype}x{lanes}"
+    assert lanes == 8, "three shifted adds below"
+    by1, by2, by4 = (_shifted_down(lanes, s) for s in (1, 2, 4))
+    outer, n = _fresh(outer, "outer"), _fresh(n, "n")
+    zero = tirx.Broadcast(tirx.const(0, run_dtype), lanes)
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(dy_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        dy = T.match_buffer(dy_h, (outer, n), dtype)
+        out = T.match_buffer(out_h, (outer, n), dtype)
+        for o in range(outer):
+            with T.sblock("suffix_sum"):
+                vo = T.axis.spatial(outer, o)
+                T.reads(dy[vo, 0:n])
+                T.writes(out[vo, 0:n])
+                carry = T.sblock_alloc_buffer((1,), run_dtype)
+                # One element of vector type (s_tir's buffer compaction mangles ramp indices).
+                scan = T.sblock_alloc_buffer((1,), vec)
+                # Flat views for the vector accesses (TVM 0.27's printer fails on a vector index
+                # into a 2-d buffer).
+                dy_flat = T.decl_buffer((outer * n,), dtype, data=dy.data)
+                out_flat = T.decl_buffer((outer * n,), dtype, data=out.data)
+                carry[0] = T.cast(0, run_dtype)
+                for k in range(n % lanes):
+                    if exclusive:
+                        out[vo, n - 1 - k] = T.cast(carry[0], dtype)
+                        carry[0] = carry[0] + T.cast(dy[vo, n - 1 - k], run_dtype)
+                    else:
+                        carry[0] = carry[0] + T.cast(dy[vo, n - 1 - k], run_dtype)
+                        out[vo, n - 1 - k] = T.cast(carry[0], dtype)
+                for b in range(n // lanes):
+                    scan[0] = T.Cast(vec, dy_flat[T.Ramp(vo * n + (n // lanes - 1 - b) * lanes, 1, lanes)])
+                    scan[0] = scan[0] + T.Shuffle([scan[0], zero], by1)
+                    scan[0] = scan[0] + T.Shuffle([scan[0], zero], by2)
+                    scan[0] = scan[0] + T.Shuffle([scan[0], zero], by4)
+                    if exclusive:
+                        out_flat[T.Ramp(vo * n + (n // lanes - 1 - b) * lanes, 1, lanes)] = T.Cast(
+                            f"{dtype}x{lanes}", T.Shuffle([scan[0], zero], by1)
+                            + T.Broadcast(carry[0], lanes))
+                    else:
+                        out_flat[T.Ramp(vo * n + (n // lanes - 1 - b) * lanes, 1, lanes)] = T.Cast(
+                            f"{dtype}x{lanes}", scan[0] + T.Broadcast(carry[0], lanes))
+                    carry[0] = carry[0] + T.Shuffle([scan[0]], [0])
+
+    return kernel
+
+
 def cumsum_backward_serial(bb, dy, *, axis, exclusive=False):
-    """The CPU kernel: :func:`suffix_sum_kernel` on dy's ``[outer, n, inner]`` view."""
+    """The CPU kernels: along the contiguous axis (``inner == 1``) :func:`_suffix_sum_rows_kernel`
+    on dy's ``[outer, n]`` view, else :func:`suffix_sum_kernel` on its ``[outer, n, inner]`` view."""
     axis = axis % dy.ty.ndim
     dims = list(dy.ty.shape.values)
     outer, n, inner = _prod(dims[:axis]), dims[axis], _prod(dims[axis + 1:])
-    func = suffix_sum_kernel(tensor_dtype(dy), outer, n, inner, bool(exclusive))
+    if _static(inner) == 1:
+        view = [outer, n]
+        func = _suffix_sum_rows_kernel(tensor_dtype(dy), outer, n, bool(exclusive))
+    else:
+        view = [outer, n, inner]
+        func = suffix_sum_kernel(tensor_dtype(dy), outer, n, inner, bool(exclusive))
     gv = bb.add_func(func, "rlx_cumsum_backward")
-    dy3 = bb.emit(relax.op.reshape(dy, [outer, n, inner]))
-    out3 = bb.emit(relax.call_tir(gv, [dy3], relax.TensorType([outer, n, inner], tensor_dtype(dy))))
-    return relax.op.reshape(out3, dims)
+    dy_view = bb.emit(relax.op.reshape(dy, view))
+    out = bb.emit(relax.call_tir(gv, [dy_view], relax.TensorType(view, tensor_dtype(dy))))
+    return relax.op.reshape(out, dims)
 
 
 def cumsum_backward_blocked(bb, dy, *, axis, exclusive=False):
