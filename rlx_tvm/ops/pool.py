@@ -262,9 +262,11 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
        ``k*sw + p``), so that each tap reads consecutive elements for consecutive windows
        (stride-free vector loads); NaN marks the padding, which never compares equal or greater;
     2. per row of windows, in vectors of ``LANES`` windows: the max over the taps, then the first
-       tap equal to it (``min`` of tap ids): two passes whose dependency chains are one ``max`` and
-       one integer ``min`` per tap (a one-pass running argmax was 1.5x slower, latency-bound);
-       that tap as a flat offset in the plane;
+       tap equal to it, as the ``min`` of the equal taps' offsets in the plane (for taps inside
+       the input, offset order is tap order; an offset is a constant per tap, where a tap id
+       took a division by the kernel width to become one): two passes whose dependency chains
+       are one ``max`` and one integer ``min`` per tap (a one-pass running argmax was 1.5x
+       slower, latency-bound);
     3. dy added at those offsets, window by window (windows overlap: a scatter that no schedule
        may reorder), into the zeroed plane of dx;
 
@@ -277,12 +279,13 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     # Symbolic batch/channels: kernel-local vars, bound from the buffers.
     n = _i64(n) if isinstance(n, (int, tirx.IntImm)) else tirx.Var("n", "int64")
     c = _i64(c) if isinstance(c, (int, tirx.IntImm)) else tirx.Var("c", "int64")
-    n_taps, lanes = kh * kw, LANES
+    lanes = LANES
     n_vec = -(-wo // lanes)
     wq = n_vec * lanes + (kw - 1) * dw // sw  # a phase row holds every tap of every lane
     line = 512 // tvm.DataType(dtype).bits  # elements per 64-byte cache line
     prefetch_lines = -(-(h * w) // (line * ho))  # of the next plane, per row of windows
     nan, lowest = tirx.const(float("nan"), acc), tirx.const(NEG_INF, acc)
+    none = tirx.const(2**31 - 1, "int32")  # no tap of the window equals its max
     k_lo = min(-(-pl // sw), wq)  # the first k whose columns k*sw + p - pl are all >= 0
     k_hi = max(k_lo, min((w + pl - sw) // sw + 1, wq))  # past the last k whose columns are all < w
 
@@ -299,7 +302,7 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
                 T.writes(dx[vb, vc, 0:h * w])
                 frame = T.sblock_alloc_buffer((hp, sw, wq), acc)
                 best = T.sblock_alloc_buffer((lanes,), acc)
-                tap = T.sblock_alloc_buffer((lanes,), "int32")
+                first = T.sblock_alloc_buffer((lanes,), "int32")
                 offset = T.sblock_alloc_buffer((n_vec * lanes,), "int32")
                 # The frame: NaN on the border, x inside. Padded column k*sw + p is input column
                 # k*sw + p - pl; for k in [k_lo, k_hi) that is inside the input for every phase p
@@ -334,22 +337,21 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
                         # gets them wrong; each tap's frame element is spelled out instead.)
                         for l in T.vectorized(lanes):
                             best[l] = lowest
-                            tap[l] = n_taps
+                            first[l] = none
                         for i, j in T.grid(kh, kw):
                             for l in T.vectorized(lanes):
                                 best[l] = T.Select(frame[oy * sh + i * dh, j * dw % sw, v * lanes + l + j * dw // sw] > best[l],
                                                    frame[oy * sh + i * dh, j * dw % sw, v * lanes + l + j * dw // sw], best[l])
                         for i, j in T.grid(kh, kw):
                             for l in T.vectorized(lanes):
-                                tap[l] = T.min(tap[l], T.Select(
+                                first[l] = T.min(first[l], T.Select(
                                     frame[oy * sh + i * dh, j * dw % sw, v * lanes + l + j * dw // sw] == best[l],
-                                    T.int32(i * kw + j), T.int32(n_taps)))
+                                    T.int32(i * dh * w + j * dw), none))
                         for l in T.vectorized(lanes):
-                            # -1: the window holds no real input (only with padding > kernel / 2)
+                            # none: the window holds no real input (only with padding > kernel / 2)
                             offset[v * lanes + l] = T.Select(
-                                tap[l] < n_taps,
-                                T.Cast("int32", (oy * sh - pt) * w + (v * lanes + l) * sw - pl)
-                                + tap[l] // kw * (dh * w) + tap[l] % kw * dw,
+                                first[l] < none,
+                                T.Cast("int32", (oy * sh - pt) * w + (v * lanes + l) * sw - pl) + first[l],
                                 -1)
                     for ox in range(wo):
                         if offset[ox] >= 0:
