@@ -13,6 +13,7 @@ from tvm.s_tir import dlight as dl
 from .passes import FuseSiblingBackwardOps
 from .schedules import default_cpu_rules
 from .schedules.gpu import schedule_gpu
+from .schedules.prefetch import PrefetchNextRow
 
 __all__ = ["Lowering", "TuningLogError", "compile", "load_tuning_log", "lower", "lower_with_report", "target_key",
            "tuning_log_for"]
@@ -144,6 +145,7 @@ def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, t
     if schedule and target.kind.name == "llvm":
         with target:
             mod = dl.ApplyDefaultSchedule(*default_cpu_rules())(mod)
+        mod = PrefetchNextRow(mod)  # what the row kernels' schedules asked for (LLVM intrinsics)
     elif schedule and "gpu" in target.keys:
         mod, _ = schedule_gpu(mod, target)
     if verbose and note is not None:

@@ -20,6 +20,7 @@ from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
 from .common import inlined_blocks
+from .prefetch import ANNOTATION as PREFETCH_NEXT_ROW
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
 
@@ -100,7 +101,9 @@ class ParallelFallback(CPUScheduleRule):
                 sch.compute_at(stage, row)
             if None in sizes or [_work(sch, st) for st in stages] != sizes:
                 return None
-            self._parallel(sch, [*loops[:axis], row])
+            fused = self._parallel(sch, [*loops[:axis], row])
+            if axis == 0 and group == 1:  # the row loop is the kernel's outermost: see prefetch.py
+                sch.annotate(fused, PREFETCH_NEXT_ROW, 1)
             depth = 1  # the fused row loop
             for partial, chains, width in partials.values():
                 # Regenerated in block-var order, rfactor's lane axis first (unit loops dropped).
