@@ -365,9 +365,10 @@ def test_half_precision_inputs():
         assert err < 1e-2, (dtype, err)
 
 
-def test_prefetch_only_for_llvm_targets():
-    """The CPU kernel prefetches the next plane with an LLVM intrinsic: present for llvm targets,
-    absent for the C target (whose code generator has no LLVM intrinsics)."""
+def test_llvm_intrinsics_only_for_llvm_targets():
+    """The CPU kernel prefetches the next plane and clears each plane of dx with LLVM intrinsics
+    (prefetch, memset): present for llvm targets; for the C target (whose code generator has no
+    LLVM intrinsics) neither, and a vector loop clears the plane."""
     from rlx_tvm import build
     from rlx_tvm.schedules.tune import cpu_target
 
@@ -376,3 +377,5 @@ def test_prefetch_only_for_llvm_targets():
         lowered = build.lower(build_module([case], "float32", False), target, tuning_log=None, verbose=False)
         script = lowered["rlx_max_pool2d_backward"].script()
         assert ("llvm.prefetch" in script) == expected, target
+        assert ("llvm.memset" in script) == expected, target
+        assert ("T.vectorized(64)" in script) != expected, target  # the 8 x 8 plane cleared by a vector loop

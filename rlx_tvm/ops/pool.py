@@ -37,6 +37,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
+from ._llvm import has_llvm_intrinsics, prefetch, zero_bytes
 from ._math import acc_dtype, clamp_index, tensor_dtype
 from .conv import check_pair, check_padding, check_window_fits, same_dim, span, static_dims, window_geometry
 from .registry import Attr, check_bool, check_optional, define_op
@@ -241,8 +242,8 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
         winner = bb.emit(bb.call_te(argmax_kernel, x, primfunc_name_hint="rlx_max_pool2d_argmax"))
         return bb.call_te(gather_kernel, winner, dy, primfunc_name_hint="rlx_max_pool2d_backward")
     n, c = x.ty.shape.values[:2]
-    prefetch = target is None or target.kind.name == "llvm"  # an LLVM intrinsic (not for target "c")
-    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp, prefetch)
+    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp,
+                         has_llvm_intrinsics(target))
     # The kernel writes each plane of dx as a flat array (the routed dy lands at a flat offset).
     flat = bb.emit(relax.call_tir(bb.add_func(kernel, "rlx_max_pool2d_backward"), [x, dy],
                                   relax.TensorType([n, c, h * w], acc)))
@@ -254,7 +255,7 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
 LANES = 16
 
 
-def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads, hp, prefetch=True) -> tirx.PrimFunc:
+def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads, hp, llvm=True) -> tirx.PrimFunc:
     """The CPU kernel: one (batch, channel) plane per iteration of the (parallel) plane loop, so
     that planes are race-free, and within a plane:
 
@@ -271,7 +272,9 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
        may reorder), into the zeroed plane of dx;
 
     and x of the next plane is prefetched along the way, a slice per row of windows (about 10%
-    faster at (8, 64, 112, 112): the plane's reads then overlap the previous plane's work).
+    faster at (8, 64, 112, 112): the plane's reads then overlap the previous plane's work). With
+    ``llvm`` (the target's code generator is LLVM) the plane of dx is cleared by ``memset`` (see
+    ``_llvm.zero_bytes``) and the prefetch is issued; otherwise a vector loop clears it.
     Written as TIR, not TE: the frame layout, the per-vector state and the scatter are not
     expressible as TE stages that a schedule could vectorize. NaN inputs never win either (a
     window of NaN routes nowhere), nor does padding."""
@@ -283,6 +286,7 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     n_vec = -(-wo // lanes)
     wq = n_vec * lanes + (kw - 1) * dw // sw  # a phase row holds every tap of every lane
     line = 512 // tvm.DataType(dtype).bits  # elements per 64-byte cache line
+    acc_bytes = tvm.DataType(acc).bits // 8
     prefetch_lines = -(-(h * w) // (line * ho))  # of the next plane, per row of windows
     nan, lowest = tirx.const(float("nan"), acc), tirx.const(NEG_INF, acc)
     none = tirx.const(2**31 - 1, "int32")  # no tap of the window equals its max
@@ -322,16 +326,18 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
                         frame[pt + y, p, k] = T.Select(
                             clamp_index(k * sw + p - pl, w) == k * sw + p - pl,
                             T.cast(x[vb, vc, y, clamp_index(k * sw + p - pl, w)], acc), nan)
-                for e in T.vectorized(h * w):
-                    dx[vb, vc, e] = T.cast(0, acc)
+                if llvm:
+                    T.evaluate(zero_bytes(T.address_of(dx[vb, vc, 0]), h * w * acc_bytes))
+                else:
+                    for e in T.vectorized(h * w):
+                        dx[vb, vc, e] = T.cast(0, acc)
                 for oy in range(ho):
-                    if prefetch:
+                    if llvm:
                         for q in range(prefetch_lines):
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[
+                            T.evaluate(prefetch(T.address_of(x[
                                 T.min(vb * c + vc + 1, n * c - 1) // c, T.min(vb * c + vc + 1, n * c - 1) % c,
                                 T.min((oy * prefetch_lines + q) * line, h * w - 1) // w,
-                                T.min((oy * prefetch_lines + q) * line, h * w - 1) % w]),
-                                T.int32(0), T.int32(3), T.int32(1)))
+                                T.min((oy * prefetch_lines + q) * line, h * w - 1) % w])))
                     for v in range(n_vec):
                         # (No let-bound values inside the vector loops: TVM 0.27's vectorizer
                         # gets them wrong; each tap's frame element is spelled out instead.)

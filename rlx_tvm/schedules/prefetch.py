@@ -21,6 +21,8 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
+from ..ops._llvm import prefetch
+
 __all__ = ["ANNOTATION", "prefetch_next_row"]
 
 ANNOTATION = "rlx.prefetch_next_row"
@@ -90,11 +92,8 @@ def _prefetches(row: tirx.For, step: tirx.For, buffers: dict) -> list:
         share = -(-lines // steps)  # lines per step
         for q in range(share):
             col = tirx.min((step.loop_var * share + q) * per_line, cols - 1)
-            address = tirx.call_intrin("handle", "tirx.address_of",
-                                       tirx.BufferLoad(buf, [nxt, col]))
-            out.append(tirx.Evaluate(tirx.call_llvm_intrin(
-                "void", "llvm.prefetch.p0", address, tirx.IntImm("int32", int(written)),
-                tirx.IntImm("int32", 3), tirx.IntImm("int32", 1))))
+            address = tirx.call_intrin("handle", "tirx.address_of", tirx.BufferLoad(buf, [nxt, col]))
+            out.append(tirx.Evaluate(prefetch(address, write=written)))
     return out
 
 
