@@ -66,7 +66,7 @@ def _calibrated(run, min_ms: float):
     """A timer of ``run``: calls per timing chosen once so that one timing lasts >= ``min_ms``,
     from the fastest of a few calls (a single call could be a slow outlier: then a timing made
     of too few calls, each paying the wake-up after the pause before it; the kernel calibrated
-    first read 1.2-1.7x slower than the same kernel built twice, on the 0.06 ms ones)."""
+    first read 1.2-2x slower than the same kernel built twice, on the 0.06 ms ones)."""
     run()  # warm up (first-call allocations, thread pool start)
     calls = []
     for _ in range(3):

@@ -23,7 +23,7 @@ from tvm import s_tir, tirx
 
 from ..ops._llvm import prefetch
 
-__all__ = ["ANNOTATION", "prefetch_next_row"]
+__all__ = ["ANNOTATION", "PrefetchNextRow", "prefetch_next_row"]
 
 ANNOTATION = "rlx.prefetch_next_row"
 
@@ -139,10 +139,7 @@ def prefetch_next_row(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(tvm_ffi.structural_mutate(func.body, (tirx.For, rewrite)))
 
 
-@tvm.transform.module_pass(opt_level=0, name="rlx.PrefetchNextRow")
-def PrefetchNextRow(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - a TVM pass
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="rlx.PrefetchNextRow")
+def PrefetchNextRow(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:  # noqa: N802 - a TVM pass
     """:func:`prefetch_next_row` on every PrimFunc of a module."""
-    updates = {gv: prefetch_next_row(f) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
-    for gv, f in updates.items():
-        mod[gv] = f
-    return mod
+    return prefetch_next_row(func)
