@@ -37,7 +37,8 @@ from tvm.sym import Analyzer
 
 from ..schedules.common import KEEP_STAGE
 from ._math import acc_dtype, tensor_dtype, tir_exp, tir_tanh
-from .registry import Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape, fuse_siblings
+from .registry import (Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape, fuse_siblings,
+                       static_int)
 
 CAUSAL_MASKS = ("TopLeft", "BottomRight")
 
@@ -53,19 +54,15 @@ _MASK_ATTRS = (
 )
 
 
-def _static(d) -> int | None:
-    return int(d) if isinstance(d, (int, tirx.IntImm)) else None
-
-
 def _group(h, hkv):
     """Query heads per kv head: a Python int when both head counts are static."""
-    if _static(h) is not None and _static(hkv) is not None:
-        return _static(h) // _static(hkv)
+    if static_int(h) is not None and static_int(hkv) is not None:
+        return static_int(h) // static_int(hkv)
     return tirx.floordiv(h, hkv)
 
 
 def _fmt_dim(d) -> str:
-    return str(_static(d)) if _static(d) is not None else str(d)
+    return str(static_int(d)) if static_int(d) is not None else str(d)
 
 
 def _is_one(x) -> bool:
@@ -108,14 +105,14 @@ def _infer(ctx, backward: bool):
             "k", f"a number of kv heads Hkv dividing the {_fmt_dim(h)} query heads of 'q' (dim 2)",
             f"Hkv = {_fmt_dim(hkv)} (shape {fmt_shape(k.shape)})",
         )
-    if ctx.attrs["scale"] is None and _static(d) is None:
+    if ctx.attrs["scale"] is None and static_int(d) is None:
         raise ctx.error("q", "a static head dim D when 'scale' is not given (default 1/sqrt(D))", fmt_shape(q.shape))
     if ctx.has("bias"):
         bias = ctx.tensor("bias")
         ctx.same_dtype(q, bias)
         target = [b, h, sq, sk]
         ok = 1 <= bias.ndim <= 4 and all(
-            _static(bd) == 1 or ctx.provably_equal(bd, td) for bd, td in zip(bias.shape[::-1], target[::-1])
+            static_int(bd) == 1 or ctx.provably_equal(bd, td) for bd, td in zip(bias.shape[::-1], target[::-1])
         )
         if not ok:
             raise ctx.error("bias", f"a shape broadcastable to [B, H, Sq, Sk] = {fmt_shape(target)}", fmt_shape(bias.shape))
@@ -385,7 +382,7 @@ class _TeAttention:
     def bias_at(self, b, h, i, j):
         # Right-aligned broadcasting: a static 1 dim is read at 0, the others follow the index.
         idx = (b, h, i, j)[4 - len(self.bias.shape):]
-        return self.load(self.bias, *[tirx.const(0, "int64") if _static(d) == 1 else x for d, x in zip(self.bias.shape, idx)])
+        return self.load(self.bias, *[tirx.const(0, "int64") if static_int(d) == 1 else x for d, x in zip(self.bias.shape, idx)])
 
     def prob(self, b, h, i, j):
         return self.e(b, h, i, j) * self.inv_l(b, h, i)
@@ -594,7 +591,7 @@ def _attention_backward_together(bb, members):
     if chunks is None:
         grads = kernel(q, k, v, dy, bias)
     else:
-        g = _static(q.ty.shape.values[2]) // _static(k.ty.shape.values[2])
+        g = static_int(q.ty.shape.values[2]) // static_int(k.ty.shape.values[2])
         parts = []
         for b, c0, c1 in chunks:  # (batch index, kv heads c0..c1-1, their query heads)
             piece = lambda t, h0, h1: bb.emit(relax.op.strided_slice(t, axes=[0, 2], begin=[b, h0], end=[b + 1, h1]))  # noqa: E731
@@ -623,8 +620,8 @@ def _head_chunks(q, k) -> list[tuple[int, int, int]] | None:
     """[(batch index, first kv head, end kv head)] covering every (batch, kv head) pair, each
     chunk's tiles (its query heads' [Sq, Sk] scores) within ``CHUNK_TILE_BYTES``; None to run
     the whole attention in one call (symbolic shapes, or a single chunk)."""
-    b, sq, h, _ = (_static(d) for d in q.ty.shape.values)
-    sk, hkv = (_static(d) for d in k.ty.shape.values[1:3])
+    b, sq, h, _ = (static_int(d) for d in q.ty.shape.values)
+    sk, hkv = (static_int(d) for d in k.ty.shape.values[1:3])
     if None in (b, sq, h, sk, hkv):
         return None
     g = h // hkv
@@ -644,7 +641,7 @@ def _bias_piece(bb, bias, b, h0, h1):
     ``h0..h1-1``: sliced along the dims it does not broadcast."""
     if bias is None:
         return None
-    shape = [_static(d) for d in bias.ty.shape.values]
+    shape = [static_int(d) for d in bias.ty.shape.values]
     lead = 4 - len(shape)
     axes, begin, end = [], [], []
     for axis, (lo, hi) in ((0, (b, b + 1)), (1, (h0, h1))):

@@ -51,7 +51,7 @@ from tvm.script import tirx as T
 from tvm.sym import Analyzer
 
 from ._math import acc_dtype, tensor_dtype
-from .registry import INT_DTYPES, Attr, check_bool, check_int, define_op, fmt_shape
+from .registry import INT_DTYPES, Attr, check_bool, check_int, define_op, fmt_shape, static_int
 
 # Block length of the fused reverse scan. Cost per row ~ n*B + (n/B)^2; 32 keeps the in-block
 # work small while the block-total reduction stays cheap up to n ~ 10^4-10^5.
@@ -60,10 +60,6 @@ SCAN_BLOCK = 32
 
 def _i64(v):
     return tirx.IntImm("int64", v) if isinstance(v, int) else v
-
-
-def _static(d) -> int | None:
-    return int(d.value) if isinstance(d, tirx.IntImm) else (d if isinstance(d, int) else None)
 
 
 def _prod(dims):
@@ -241,7 +237,7 @@ def cumsum_backward_serial(bb, dy, *, axis, exclusive=False):
     axis = axis % dy.ty.ndim
     dims = list(dy.ty.shape.values)
     outer, n, inner = _prod(dims[:axis]), dims[axis], _prod(dims[axis + 1:])
-    if _static(inner) == 1:
+    if static_int(inner) == 1:
         view = [outer, n]
         func = _suffix_sum_rows_kernel(tensor_dtype(dy), outer, n, bool(exclusive))
     else:
@@ -260,7 +256,7 @@ def cumsum_backward_blocked(bb, dy, *, axis, exclusive=False):
     dtype = tensor_dtype(dy)
     acc = acc_dtype(dtype)
     axis = axis % dy.ty.ndim
-    static_len = _static(dy.ty.shape.values[axis])
+    static_len = static_int(dy.ty.shape.values[axis])
     single_block = static_len is not None and static_len <= SCAN_BLOCK
     bsz = _i64(static_len if single_block else SCAN_BLOCK)
     zero = tirx.const(0.0, acc)
@@ -404,7 +400,7 @@ def _gather_backward_decompose(bb, dy, indices, *, axis, dim_size):
 
 def _fresh(dim, name):
     """A kernel-local shape var for a symbolic dim (the PrimFunc binds it from its buffer)."""
-    s = _static(dim)
+    s = static_int(dim)
     return _i64(s) if s is not None else tirx.Var(name, "int64")
 
 
@@ -425,7 +421,7 @@ def scatter_add_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner
       it: TVM's parallel/vectorize ask for a complete or reduction block, and it has no init.)
     * per element (GPU): the index loop is the block's reduction iterator and the feature loops
       are spatial, which threads bind to."""
-    static_inner = _static(inner)
+    static_inner = static_int(inner)
     chunk = next((c for c in (FEATURE_CHUNK, 32, 16, 8, 4, 2) if static_inner and static_inner % c == 0), 1)
     outer, n_idx, inner = _fresh(outer, "outer"), _fresh(n_idx, "n_idx"), _fresh(inner, "inner")
     dim = _i64(dim_size)
@@ -512,7 +508,7 @@ def _take_gradient(orig_var, orig_call, output_grad, ctx):
 
     x, indices = orig_call.args
     axis = 0 if orig_call.attrs.axis is None else int(orig_call.attrs.axis)
-    dim_size = _static(x.ty.shape.values[axis % x.ty.ndim])
+    dim_size = static_int(x.ty.shape.values[axis % x.ty.ndim])
     if orig_call.attrs.mode != "fast" or dim_size is None:
         return take_grad(orig_var, orig_call, output_grad, ctx)
     return [gather_backward(output_grad, indices, axis=axis, dim_size=dim_size), no_grad(indices)]

@@ -44,7 +44,7 @@ from tvm.relax.transform.legalize_ops import nn as _tvm_legalize
 
 from ..schedules.common import KEEP_STAGE
 from ._math import acc_dtype, tensor_dtype
-from .registry import Attr, check_float, check_int, define_op, fmt_shape, fuse_siblings
+from .registry import Attr, check_float, check_int, define_op, fmt_shape, fuse_siblings, static_int
 
 _op = relax.op
 
@@ -831,10 +831,6 @@ def _fused_alone(bb, family, roles, x, gamma, dy, partial=None, **attrs):
     return _call_te(bb, f"{family}_backward_{'_'.join(roles)}", kernel, *_kernel_operands(roles, x, gamma, dy))
 
 
-def _static_dim(d) -> int | None:
-    return int(d.value) if isinstance(d, tirx.IntImm) else None
-
-
 def _role(opdef) -> str:
     return "beta" if opdef is None else opdef.name.rsplit("_", 1)[1]  # None: an absorbed sum(dy)
 
@@ -882,7 +878,7 @@ def _fuse_norm_gradients(family, *opdefs):
         # gamma enters dx only: the dx call's (the RMS dgamma/dbeta calls take a gamma of their own)
         gamma = dict(zip(calls["input"][0].all_inputs, calls["input"][0].call_args(calls["input"][1])))["gamma"] \
             if "input" in calls else None
-        shape = [_static_dim(d) for d in x.ty.shape.values]
+        shape = [static_int(d) for d in x.ty.shape.values]
         dtype = tensor_dtype(x)
         if family == "group_norm":
             partial, sum_axes, flat = True, [0], None

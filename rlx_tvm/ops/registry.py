@@ -206,6 +206,14 @@ def fmt_shape(shape: Sequence) -> str:
     return "[" + ", ".join(fmt_dim(d) for d in shape) + "]"
 
 
+def static_int(d) -> int | None:
+    """A shape dim or loop extent as an int when it is a constant (an int or ``IntImm``), else
+    None (symbolic)."""
+    if isinstance(d, int):
+        return d
+    return int(d.value) if isinstance(d, tvm.tirx.IntImm) else None
+
+
 class InferContext:
     """What an op's ``infer`` function receives: named tensor arguments, decoded attributes,
     and helpers that raise :class:`OpError` with a uniform message."""

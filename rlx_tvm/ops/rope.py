@@ -25,7 +25,7 @@ from tvm import relax, te, tirx
 from tvm.sym import Analyzer
 
 from ._math import acc_dtype, tensor_dtype
-from .registry import Attr, check_choice, check_int, check_optional, define_op, op_error
+from .registry import Attr, check_choice, check_int, check_optional, define_op, op_error, static_int
 
 STYLES = ("neox", "gptj")
 
@@ -65,10 +65,6 @@ class RopeGeometry:
         return [self.batch if self.per_token else 1, self.seq, 1, self.half]
 
 
-def _static(d) -> int | None:
-    return int(d.value) if isinstance(d, tirx.IntImm) else None
-
-
 def _fmt(d) -> str:
     return str(int(d.value)) if isinstance(d, tirx.IntImm) else str(d)
 
@@ -91,7 +87,7 @@ def geometry(error, act: str, shape, table_shape, head_dim: int, n_rot: int | No
         raise error("n_rot", f"an integer <= head_dim = {head_dim}", n_rot)
 
     rank = len(shape)
-    last = _static(shape[-1])
+    last = static_int(shape[-1])
     if rank == 4:
         if last != head_dim:
             raise error(act, f"last dim == head_dim = {head_dim} (layout [B, S, H, head_dim])", _fmt(shape[-1]))

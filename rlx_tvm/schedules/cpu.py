@@ -19,14 +19,11 @@ from tvm.sym import Analyzer, detect_linear_equation
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
+from ..ops.registry import static_int
 from .common import inlined_blocks
 from .prefetch import ANNOTATION as PREFETCH_NEXT_ROW
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
-
-
-def _static(extent) -> int | None:
-    return int(extent.value) if isinstance(extent, tirx.IntImm) else None
 
 
 class ParallelFallback(CPUScheduleRule):
@@ -87,7 +84,7 @@ class ParallelFallback(CPUScheduleRule):
             loops = sch.get_loops(out)
             row = loops[axis]
             if group > 1:
-                if (_static(sch.get(row).extent) or 1) % group:
+                if (static_int(sch.get(row).extent) or 1) % group:
                     return None
                 row, _ = sch.split(row, factors=[None, group])
             stages = []  # in program order: each producer after its partial sums
@@ -131,7 +128,7 @@ class ParallelFallback(CPUScheduleRule):
         (``_reads_only_own_row``); None otherwise (``sch`` is then a spoiled copy)."""
         first = sch.get(blocks[0].block_rv)
         n_row = len(_row_region(first.writes[0]))
-        row_extents = [_static(iv.dom.extent) for iv in first.iter_vars[:n_row]]
+        row_extents = [static_int(iv.dom.extent) for iv in first.iter_vars[:n_row]]
         if n_row == 0 or None in row_extents:
             return None
         n_rows = prod(row_extents)
@@ -151,7 +148,7 @@ class ParallelFallback(CPUScheduleRule):
                 stages.append((block, group))
             elif n_row == 1 and [iv.iter_type for iv in ivs] == [tirx.IterVar.DataPar] * 2 + [tirx.IterVar.CommReduce]:
                 # a sum per chunk of rows: [chunk, column], over the chunk's rows
-                count, per = _static(ivs[0].dom.extent), _static(ivs[2].dom.extent)
+                count, per = static_int(ivs[0].dom.extent), static_int(ivs[2].dom.extent)
                 if count is None or per is None or count * per != n_rows or chunks not in (None, count):
                     return None
                 chunks = count
@@ -212,7 +209,7 @@ class ParallelFallback(CPUScheduleRule):
         """A chunk's partial column sums under ``depth`` row loops: the columns in vectors (the
         initialization split off at the chunk loop, before the rows)."""
         (column,) = sch.get_loops(block)[depth:]
-        width = _vector_width(_static(sch.get(column).extent), lanes)
+        width = _vector_width(static_int(sch.get(column).extent), lanes)
         if width is not None:
             sch.vectorize(sch.split(column, factors=[None, width])[1])
         init = sch.decompose_reduction(block, sch.get_loops(block)[1])
@@ -231,7 +228,7 @@ class ParallelFallback(CPUScheduleRule):
         if n_spatial == len(stmt.iter_vars) or len(loops) != len(stmt.iter_vars) \
                 or not _is_row_reduction(sch, block, n_spatial):
             return None
-        extents = [_static(sch.get(loop).extent) for loop in loops[n_spatial:]]
+        extents = [static_int(sch.get(loop).extent) for loop in loops[n_spatial:]]
         if None in extents or prod(extents) < 16 * lanes:
             return None
         width = _vector_width(extents[-1], lanes)
@@ -243,9 +240,9 @@ class ParallelFallback(CPUScheduleRule):
         # More chains cost as many more scalar adds when the lanes are summed: worth it only for
         # rows much longer than the accumulators (group norm's 6272, not layer norm's 768).
         chains = next((c for c in (4, 2) if steps >= 4 * c * width
-                       and any((_static(sch.get(lp).extent) or 0) % c == 0 for lp in outside)), 1)
+                       and any((static_int(sch.get(lp).extent) or 0) % c == 0 for lp in outside)), 1)
         if chains > 1:
-            k = max(i for i, lp in enumerate(outside) if _static(sch.get(lp).extent) % chains == 0)
+            k = max(i for i, lp in enumerate(outside) if static_int(sch.get(lp).extent) % chains == 0)
             _, chain = sch.split(outside[k], factors=[None, chains])
             sch.reorder(*outside[k + 1:], chain, vec)
             vec = sch.fuse(chain, vec)
@@ -257,7 +254,7 @@ class ParallelFallback(CPUScheduleRule):
         stmt = sch.get(block)
         if not loops or _n_spatial(sch, block) != len(stmt.iter_vars) or not isinstance(stmt.body, tirx.BufferStore):
             return
-        width = _vector_width(_static(sch.get(loops[-1]).extent), lanes)
+        width = _vector_width(static_int(sch.get(loops[-1]).extent), lanes)
         if width is not None:
             sch.vectorize(sch.split(loops[-1], factors=[None, width])[1])
 
@@ -306,7 +303,7 @@ class ParallelFallback(CPUScheduleRule):
         # All spatial: vectorize the innermost loop when it splits evenly, unless the block body
         # holds loops of its own (a serial scan per row): those stay scalar under the parallel loop.
         if n_lead == len(loops) and isinstance(sch.get(block).body, tirx.BufferStore):
-            inner_extent = _static(sch.get(lead[-1]).extent) or 0
+            inner_extent = static_int(sch.get(lead[-1]).extent) or 0
             width = _vector_width(inner_extent, lanes)
             if width is not None and inner_extent >= width:  # rows of 56: half vectors
                 outer, vec = sch.split(lead[-1], factors=[None, width])
@@ -324,7 +321,7 @@ class ParallelFallback(CPUScheduleRule):
         product's right operand, reused by every row of the left), ``ROW_TILE`` rows of that axis
         share each vector load: the tile of accumulators is a local buffer that LLVM keeps in
         registers across the reduction, a register-blocked GEMM micro-kernel."""
-        columns = _static(sch.get(lead[-1]).extent)
+        columns = static_int(sch.get(lead[-1]).extent)
         tiled = _reused_row_axis(sch, block, len(lead), ROW_TILE)
         # A short row that is no multiple of the vector (56) is still one vector op per tile row.
         short_row = tiled is not None and columns is not None and columns % (lanes // 2) == 0 and columns <= 4 * lanes
@@ -362,7 +359,7 @@ class ParallelFallback(CPUScheduleRule):
         element. False (nothing changed) when the reduction is not in the form rfactor takes."""
         reduced = sch.get_loops(block)[len(lead):]
         inner = reduced[-1]
-        extents = [_static(sch.get(loop).extent) for loop in reduced]
+        extents = [static_int(sch.get(loop).extent) for loop in reduced]
         if None in extents or prod(extents) < 16 * lanes:  # short rows: the extra sum costs more
             return False
         # The widest vector that divides the innermost extent: a reduction over several short
@@ -386,7 +383,7 @@ class ParallelFallback(CPUScheduleRule):
     def _parallel(self, sch: s_tir.Schedule, lead: list):
         """Fuse ``lead`` into one loop, parallel unless too short; returns it."""
         fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
-        extent = _static(sch.get(fused).extent)
+        extent = static_int(sch.get(fused).extent)
         if extent is None or extent >= self.min_parallel_extent:
             sch.parallel(fused)
         return fused
@@ -455,7 +452,7 @@ def _row_group(stmt, row_extents: list) -> int | None:
     ivs = stmt.iter_vars[:n_row]
     if len(ivs) < n_row or any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs):
         return None
-    extents = [_static(iv.dom.extent) for iv in ivs]
+    extents = [static_int(iv.dom.extent) for iv in ivs]
     if None in extents or extents[:-1] != row_extents[:-1] or extents[-1] % row_extents[-1]:
         return None
     return extents[-1] // row_extents[-1]
@@ -464,7 +461,7 @@ def _row_group(stmt, row_extents: list) -> int | None:
 def _row_region(access) -> list:
     """The region of a buffer access without the buffer's unit dims (a batch of 1: the blocks'
     iterators, normalized, have none for it)."""
-    return [r for r, n in zip(access.region, access.source.shape) if _static(n) != 1]
+    return [r for r, n in zip(access.region, access.source.shape) if static_int(n) != 1]
 
 
 def _reads_only_own_row(stmt, expected: list, row_buffers: list, written: list, analyzer) -> bool:
@@ -473,7 +470,7 @@ def _reads_only_own_row(stmt, expected: list, row_buffers: list, written: list, 
     for read in stmt.reads:
         if any(read.source.same_as(b) for b in row_buffers):
             region = _row_region(read)
-            if len(region) != len(expected) or any(_static(r.extent) != 1 for r in region) or not all(
+            if len(region) != len(expected) or any(static_int(r.extent) != 1 for r in region) or not all(
                     analyzer.can_prove_equal(r.min, e) for r, e in zip(region, expected)):
                 return False
         elif any(read.source.same_as(b) for b in written):
@@ -490,7 +487,7 @@ def _reused_row_axis(sch: s_tir.Schedule, block, n_spatial: int, tile: int) -> i
     column = iters[n_spatial - 1]
     along_columns = [r for r in stmt.reads if r.region and _uses(r.region[-1].min, column)]
     for axis in reversed(range(n_spatial - 1)):
-        extent = _static(stmt.iter_vars[axis].dom.extent)
+        extent = static_int(stmt.iter_vars[axis].dom.extent)
         if extent is None or extent % tile or extent == tile:
             continue
         if any(not any(_uses(rg.min, iters[axis]) for rg in r.region) for r in along_columns):
@@ -587,17 +584,17 @@ def _n_spatial(sch: s_tir.Schedule, block) -> int:
 
 def _reduced_size(sch: s_tir.Schedule, block) -> int | None:
     """The number of reduced elements per output of a block (0: no reduction; None: symbolic)."""
-    extents = [_static(iv.dom.extent) for iv in sch.get(block).iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    extents = [static_int(iv.dom.extent) for iv in sch.get(block).iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
     return None if None in extents else (prod(extents) if extents else 0)
 
 
 def _block_domain(sch: s_tir.Schedule, block) -> int | None:
     """The number of iterations of a block (static domains only)."""
-    extents = [_static(iv.dom.extent) for iv in sch.get(block).iter_vars]
+    extents = [static_int(iv.dom.extent) for iv in sch.get(block).iter_vars]
     return None if None in extents else prod(extents)
 
 
 def _work(sch: s_tir.Schedule, block) -> int | None:
     """Iterations a block executes where it is now: the product of its enclosing loops."""
-    extents = [_static(sch.get(loop).extent) for loop in sch.get_loops(block)]
+    extents = [static_int(sch.get(loop).extent) for loop in sch.get_loops(block)]
     return None if None in extents else prod(extents)

@@ -22,16 +22,13 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 from ..ops._llvm import prefetch
+from ..ops.registry import static_int
 
 __all__ = ["ANNOTATION", "PrefetchNextRow", "prefetch_next_row"]
 
 ANNOTATION = "rlx.prefetch_next_row"
 
 CACHE_LINE = 64  # bytes
-
-
-def _static(e) -> int | None:
-    return int(e.value) if isinstance(e, tirx.IntImm) else None
 
 
 def _allocated(func: tirx.PrimFunc) -> list:
@@ -56,7 +53,7 @@ def _row_buffers(loop: tirx.For, intermediates: list) -> dict:
         for access, writes in ((block.reads, False), (block.writes, True)):
             for region in access:
                 buf = region.source
-                if len(buf.shape) == 2 and _static(buf.shape[1]) and not any(buf.same_as(b) for b in intermediates) \
+                if len(buf.shape) == 2 and static_int(buf.shape[1]) and not any(buf.same_as(b) for b in intermediates) \
                         and tvm_ffi.structural_equal(buf.shape[0], loop.extent):
                     found[buf] = found.get(buf, False) or writes
         return None
@@ -70,9 +67,9 @@ def _longest_vector_step_loop(loop: tirx.For) -> tirx.For | None:
     best: list = []
 
     def visit(node):
-        if node.kind == tirx.ForKind.SERIAL and _static(node.extent) \
+        if node.kind == tirx.ForKind.SERIAL and static_int(node.extent) \
                 and isinstance(node.body, tirx.For) and node.body.kind == tirx.ForKind.VECTORIZED:
-            if not best or _static(node.extent) > _static(best[0].extent):
+            if not best or static_int(node.extent) > static_int(best[0].extent):
                 best[:] = [node]
         return None
 
@@ -82,11 +79,11 @@ def _longest_vector_step_loop(loop: tirx.For) -> tirx.For | None:
 
 def _prefetches(row: tirx.For, step: tirx.For, buffers: dict) -> list:
     """Per iteration of ``step``: its share of the next row's cache lines of each buffer."""
-    steps = _static(step.extent)
+    steps = static_int(step.extent)
     nxt = tirx.min(row.loop_var + 1, row.extent - 1)
     out = []
     for buf, written in buffers.items():
-        cols = _static(buf.shape[1])
+        cols = static_int(buf.shape[1])
         per_line = max(1, CACHE_LINE * 8 // tvm.DataType(buf.dtype).bits)  # elements
         lines = -(-cols // per_line)
         share = -(-lines // steps)  # lines per step
