@@ -212,31 +212,32 @@ def test_half_precision():
 def test_cpu_row_kernel_prefetches_the_next_row():
     """With default CPU schedules the backward kernel runs its passes per row in one parallel row
     loop, and its exp pass prefetches the next row of logits (for reading) and of the output (for
-    writing), never an intermediate: rows of 8-wide vectors, rows that end mid cache line;
-    results unchanged. (Static rows: with a symbolic row count the stages get their own parallel
-    loops, and there is no next row in the same loop to prefetch.)"""
+    writing), never an intermediate: rows of 8-wide vectors, rows that end mid cache line, static
+    and symbolic row counts; results unchanged."""
     from rlx_tvm import build
     from rlx_tvm.schedules.prefetch import ANNOTATION, prefetch_next_row
     from rlx_tvm.schedules.tune import cpu_target
 
     cases = [_backward_case(9, 1000, batch=SYMBOLIC_N_BW), _backward_case(3, 520, batch=SYMBOLIC_N_BW)]
-    lowered = build.lower(build_module(cases, "float32", symbolic=False), cpu_target(), tuning_log=None, verbose=False)
-    kernels = [f for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_softmax_cross_entropy_backward")]
-    assert len(kernels) == 2  # one per row length
-    for f in kernels:
-        script = f.script()
-        prefetches = [line for line in script.splitlines() if "llvm.prefetch" in line]
-        assert any("address_of(logits[" in p and p.rstrip().endswith("0, 3, 1)") for p in prefetches), prefetches
-        assert any("address_of(softmax_cross_entropy_backward[" in p and p.rstrip().endswith("1, 3, 1)")
-                   for p in prefetches), prefetches
-        assert not [p for p in prefetches if "logits[" not in p and "softmax_cross_entropy_backward[" not in p]
-        assert ANNOTATION not in script
-        assert prefetch_next_row(f).same_as(f)  # nothing left to rewrite
-    vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
-    for i, case in enumerate(cases):
-        args = [tvm.runtime.tensor(a) for a in case.cast_inputs("float32").values()]
-        got = vm[f"case_{i}"](*args).numpy()
-        np.testing.assert_allclose(got, case.reference("float32"), rtol=1e-5, atol=1e-6, err_msg=case.name)
+    for symbolic in (False, True):
+        lowered = build.lower(build_module(cases, "float32", symbolic), cpu_target(), tuning_log=None, verbose=False)
+        kernels = [f for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_softmax_cross_entropy_backward")]
+        assert len(kernels) == 2  # one per row length
+        for f in kernels:
+            script = f.script()
+            assert script.count("T.parallel") == 1, script  # every pass inside the one row loop
+            prefetches = [line for line in script.splitlines() if "llvm.prefetch" in line]
+            assert any("address_of(logits[" in p and p.rstrip().endswith("0, 3, 1)") for p in prefetches), prefetches
+            assert any("address_of(softmax_cross_entropy_backward[" in p and p.rstrip().endswith("1, 3, 1)")
+                       for p in prefetches), prefetches
+            assert not [p for p in prefetches if "logits[" not in p and "softmax_cross_entropy_backward[" not in p]
+            assert ANNOTATION not in script
+            assert prefetch_next_row(f).same_as(f)  # nothing left to rewrite
+        vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+        for i, case in enumerate(cases):
+            args = [tvm.runtime.tensor(a) for a in case.cast_inputs("float32").values()]
+            got = vm[f"case_{i}"](*args).numpy()
+            np.testing.assert_allclose(got, case.reference("float32"), rtol=1e-5, atol=1e-6, err_msg=case.name)
 
 
 def test_bad_input_labels():

@@ -61,8 +61,9 @@ class ParallelFallback(CPUScheduleRule):
         passes hit the cache (a pass of its own per stage streams the whole tensor each time).
 
         Applied only when every earlier stage lands in the row loop without recomputation (its
-        work under the loop equals its own domain); None otherwise (``sch`` is then a spoiled
-        copy, to be dropped)."""
+        work under the loop equals its own domain, proven for symbolic row counts too: until
+        2026-12-05 a symbolic batch left softmax-CE backward as four passes over memory, 11.0 vs
+        6.5 ms at 2048 x 8192); None otherwise (``sch`` is then a spoiled copy, to be dropped)."""
         out = blocks[-1].block_rv
         producers = [info.block_rv for info in blocks[:-1]]
         # Only for stages that re-read long rows; small windows (pooling) are not row kernels.
@@ -93,11 +94,13 @@ class ParallelFallback(CPUScheduleRule):
                     stages.append(partials[block][0])
                 if block is not out:
                     stages.append(block)
-            sizes = [_block_domain(sch, st) for st in stages]
+            sizes = [_iterations([iv.dom.extent for iv in sch.get(st).iter_vars]) for st in stages]
             for stage in reversed(stages):
                 sch.compute_at(stage, row)
-            if None in sizes or [_work(sch, st) for st in stages] != sizes:
-                return None
+            analyzer = Analyzer()
+            if not all(analyzer.can_prove_equal(_iterations([sch.get(lp).extent for lp in sch.get_loops(st)]), size)
+                       for st, size in zip(stages, sizes)):
+                return None  # some stage would be recomputed per row
             fused = self._parallel(sch, [*loops[:axis], row])
             if axis == 0 and group == 1:  # the row loop is the kernel's outermost: see prefetch.py
                 sch.annotate(fused, PREFETCH_NEXT_ROW, 1)
@@ -594,7 +597,9 @@ def _block_domain(sch: s_tir.Schedule, block) -> int | None:
     return None if None in extents else prod(extents)
 
 
-def _work(sch: s_tir.Schedule, block) -> int | None:
-    """Iterations a block executes where it is now: the product of its enclosing loops."""
-    extents = [static_int(sch.get(loop).extent) for loop in sch.get_loops(block)]
-    return None if None in extents else prod(extents)
+def _iterations(extents: list) -> tirx.PrimExpr:
+    """The product of loop or block extents, static or symbolic (simplified, int64)."""
+    out = tirx.IntImm("int64", 1)
+    for e in extents:
+        out = out * tirx.Cast("int64", e)
+    return Analyzer().simplify(out)
