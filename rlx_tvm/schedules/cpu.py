@@ -94,12 +94,11 @@ class ParallelFallback(CPUScheduleRule):
                     stages.append(partials[block][0])
                 if block is not out:
                     stages.append(block)
-            sizes = [_iterations([iv.dom.extent for iv in sch.get(st).iter_vars]) for st in stages]
+            sizes = [_block_domain(sch, st) for st in stages]
             for stage in reversed(stages):
                 sch.compute_at(stage, row)
             analyzer = Analyzer()
-            if not all(analyzer.can_prove_equal(_iterations([sch.get(lp).extent for lp in sch.get_loops(st)]), size)
-                       for st, size in zip(stages, sizes)):
+            if not all(analyzer.can_prove_equal(_work(sch, st), size) for st, size in zip(stages, sizes)):
                 return None  # some stage would be recomputed per row
             fused = self._parallel(sch, [*loops[:axis], row])
             if axis == 0 and group == 1:  # the row loop is the kernel's outermost: see prefetch.py
@@ -170,7 +169,7 @@ class ParallelFallback(CPUScheduleRule):
         # The elementwise stage (dx) is the one to vectorize: a row statistic has as large a
         # domain (rows x reduced row) and comes first.
         elementwise = [b for b, _ in stages if _reduced_size(sch, b) == 0]
-        out = max(elementwise or [b for b, _ in stages], key=lambda b: _block_domain(sch, b) or 0)
+        out = max(elementwise or [b for b, _ in stages], key=lambda b: static_int(_block_domain(sch, b)) or 0)
         try:
             partials = {}
             for block, _ in stages:
@@ -591,13 +590,17 @@ def _reduced_size(sch: s_tir.Schedule, block) -> int | None:
     return None if None in extents else (prod(extents) if extents else 0)
 
 
-def _block_domain(sch: s_tir.Schedule, block) -> int | None:
-    """The number of iterations of a block (static domains only)."""
-    extents = [static_int(iv.dom.extent) for iv in sch.get(block).iter_vars]
-    return None if None in extents else prod(extents)
+def _block_domain(sch: s_tir.Schedule, block) -> tirx.PrimExpr:
+    """The number of iterations of a block (static or symbolic)."""
+    return _product([iv.dom.extent for iv in sch.get(block).iter_vars])
 
 
-def _iterations(extents: list) -> tirx.PrimExpr:
+def _work(sch: s_tir.Schedule, block) -> tirx.PrimExpr:
+    """Iterations a block executes where it is now: the product of its enclosing loops."""
+    return _product([sch.get(loop).extent for loop in sch.get_loops(block)])
+
+
+def _product(extents: list) -> tirx.PrimExpr:
     """The product of loop or block extents, static or symbolic (simplified, int64)."""
     out = tirx.IntImm("int64", 1)
     for e in extents:
