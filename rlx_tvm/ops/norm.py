@@ -280,11 +280,24 @@ class _Rows:
 
     def chunk_sums(self, name, f, chunks: int):
         """[chunks, *normalized] stage, for 2-D [rows, H] shapes (axis 1): per chunk of
-        ``rows / chunks`` consecutive rows, the sum of ``f`` over them (what :meth:`column_sum`
-        then sums over the chunks)."""
-        per = self.shape[0] // chunks
+        ``ceil(rows / chunks)`` consecutive rows, the sum of ``f`` over them (what
+        :meth:`column_sum` then sums over the chunks). A row count that ``chunks`` may not divide
+        (a symbolic one) leaves the last chunks short: rows past the end add nothing and are not
+        read (``if_then_else`` evaluates the taken side only)."""
+        rows = self.shape[0]
+        if static_int(rows) is not None and static_int(rows) % chunks == 0:
+            per, inside = rows // chunks, None
+        else:
+            per = tvm.sym.Analyzer().simplify(tirx.floordiv(rows + chunks - 1, chunks))
+            inside = lambda row: row < rows  # noqa: E731
         r = te.reduce_axis((0, per), name=f"{name}_r")
-        return te.compute((chunks, self.shape[1]), lambda t, h: te.sum(f((t * per + r, h)), axis=r), name=name)
+
+        def body(t, h):
+            row = t * per + r
+            value = f((row, h))
+            return te.sum(value if inside is None else tirx.if_then_else(inside(row), value, tirx.const(0, self.acc)), axis=r)
+
+        return te.compute((chunks, self.shape[1]), body, name=name)
 
     def column_sum(self, name, f):
         """Stage of the normalized axes' shape: sum of ``f`` over every other axis."""
@@ -861,7 +874,8 @@ def _fuse_norm_gradients(family, *opdefs):
         passes over x, are computed once, and dgamma and dbeta come out as partial sums (per chunk
         of rows; per sample for group norm) that the CPU schedule computes in the row loop of dx,
         so that x and dy are read from memory once; their sum over the chunks (samples) follows.
-        Layer and RMS norm: normalized axis last and static shapes only (else left apart)."""
+        Layer and RMS norm: normalized axis last and of static size (else left apart); the row
+        count may be symbolic."""
         calls = {}
         for opdef, call in members:
             first_op, first = calls.setdefault(_role(opdef), (opdef, call))
@@ -878,15 +892,20 @@ def _fuse_norm_gradients(family, *opdefs):
         # gamma enters dx only: the dx call's (the RMS dgamma/dbeta calls take a gamma of their own)
         gamma = dict(zip(calls["input"][0].all_inputs, calls["input"][0].call_args(calls["input"][1])))["gamma"] \
             if "input" in calls else None
-        shape = [static_int(d) for d in x.ty.shape.values]
+        full_shape = list(x.ty.shape.values)
+        shape = [static_int(d) for d in full_shape]
         dtype = tensor_dtype(x)
         if family == "group_norm":
             partial, sum_axes, flat = True, [0], None
         else:
-            if None in shape or attrs["axis"] % len(shape) != len(shape) - 1:
+            if shape[-1] is None or attrs["axis"] % len(shape) != len(shape) - 1:
                 return None
-            rows = int(np.prod(shape[:-1]))
-            partial = next((c for c in ROW_CHUNKS if rows % c == 0 and rows // c >= 4), 1)
+            if None in shape:  # symbolic rows: the most chunks, the last ones short or empty
+                rows = reduce(mul, full_shape[:-1])
+                partial = ROW_CHUNKS[0]
+            else:
+                rows = int(np.prod(shape[:-1]))
+                partial = next((c for c in ROW_CHUNKS if rows % c == 0 and rows // c >= 4), 1)
             sum_axes, flat = [0], ([rows, shape[-1]] if len(shape) != 2 else None)
             if flat is not None:
                 x, dy = bb.emit(_op.reshape(x, flat)), bb.emit(_op.reshape(dy, flat))
@@ -896,7 +915,7 @@ def _fuse_norm_gradients(family, *opdefs):
         for k, role in enumerate(roles):
             value = relax.TupleGetItem(out, k)
             if role == "input":
-                results[role] = bb.emit(_op.reshape(value, shape) if flat is not None else value)
+                results[role] = bb.emit(_op.reshape(value, full_shape) if flat is not None else value)
             else:
                 results[role] = bb.emit(_cast(_op.sum(value, axis=sum_axes), acc_dtype(dtype), dtype))
         return [results[_role(opdef)] for opdef, _ in members]

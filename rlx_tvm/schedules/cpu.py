@@ -130,10 +130,10 @@ class ParallelFallback(CPUScheduleRule):
         (``_reads_only_own_row``); None otherwise (``sch`` is then a spoiled copy)."""
         first = sch.get(blocks[0].block_rv)
         n_row = len(_row_region(first.writes[0]))
-        row_extents = [static_int(iv.dom.extent) for iv in first.iter_vars[:n_row]]
-        if n_row == 0 or None in row_extents:
+        if n_row == 0 or len(first.iter_vars) < n_row:
             return None
-        n_rows = prod(row_extents)
+        row_extents = [iv.dom.extent for iv in first.iter_vars[:n_row]]
+        n_rows = _product(row_extents)
         # The first stage is a row statistic over a long row (not a pooling window).
         if (_reduced_size(sch, blocks[0].block_rv) or 0) <= SMALL_WINDOW:
             return None
@@ -149,9 +149,11 @@ class ParallelFallback(CPUScheduleRule):
                 expected = [*row[:-1], row[-1] // group if group > 1 else row[-1]]
                 stages.append((block, group))
             elif n_row == 1 and [iv.iter_type for iv in ivs] == [tirx.IterVar.DataPar] * 2 + [tirx.IterVar.CommReduce]:
-                # a sum per chunk of rows: [chunk, column], over the chunk's rows
-                count, per = static_int(ivs[0].dom.extent), static_int(ivs[2].dom.extent)
-                if count is None or per is None or count * per != n_rows or chunks not in (None, count):
+                # a sum per chunk of rows: [chunk, column], over the chunk's ceil(rows / chunks)
+                # rows (a short last chunk guards its reads itself, see norm.py's chunk_sums)
+                count, per = static_int(ivs[0].dom.extent), ivs[2].dom.extent
+                if count is None or chunks not in (None, count) or not analyzer.can_prove_equal(
+                        per, tirx.floordiv(n_rows + count - 1, count)):
                     return None
                 chunks = count
                 expected = [ivs[0].var * per + ivs[2].var]
@@ -163,13 +165,13 @@ class ParallelFallback(CPUScheduleRule):
             if len(_row_region(stmt.writes[0])) == n_row and group is not None:
                 row_buffers.append(stmt.writes[0].source)
             written.append(stmt.writes[0].source)
-        chunks = chunks or n_rows
         if len(stages) < 2:
             return None
         # The elementwise stage (dx) is the one to vectorize: a row statistic has as large a
         # domain (rows x reduced row) and comes first.
         elementwise = [b for b, _ in stages if _reduced_size(sch, b) == 0]
-        out = max(elementwise or [b for b, _ in stages], key=lambda b: static_int(_block_domain(sch, b)) or 0)
+        per_row = {b: static_int(analyzer.simplify(tirx.floordiv(_block_domain(sch, b), n_rows))) for b, _ in stages}
+        out = max(elementwise or [b for b, _ in stages], key=lambda b: per_row[b] or 0)
         try:
             partials = {}
             for block, _ in stages:
@@ -187,7 +189,8 @@ class ParallelFallback(CPUScheduleRule):
                 if group > 1:
                     loops[-1], _ = sch.split(loops[-1], factors=[None, group])
                 row = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-                chunk_loops.append(sch.split(row, factors=[chunks, None])[0])
+                # without chunk sums every row is a chunk (a unit loop over its rows)
+                chunk_loops.append(sch.split(row, factors=[chunks, None] if chunks else [None, 1])[0])
             for block in chunk_sums:  # (chunk, column, row in chunk) -> (chunk, row in chunk, column)
                 chunk, column, row = sch.get_loops(block)
                 sch.reorder(row, column)
@@ -448,16 +451,20 @@ ROW_TILE = 4  # rows of a register-blocked product tile: 4 x (up to 4 vectors) a
 
 def _row_group(stmt, row_extents: list) -> int | None:
     """For a block whose leading spatial axes run over the rows of a row kernel (extents
-    ``row_extents``, e.g. [N, G]): how many of its last such index fall in one row (group norm's
+    ``row_extents``, e.g. [N, G], static or symbolic): how many of its last such index fall in one row (group norm's
     channels per group for a [N, C, ...] block, 1 for a [N, G] one); None when it has no such axes."""
     n_row = len(row_extents)
     ivs = stmt.iter_vars[:n_row]
     if len(ivs) < n_row or any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs):
         return None
-    extents = [static_int(iv.dom.extent) for iv in ivs]
-    if None in extents or extents[:-1] != row_extents[:-1] or extents[-1] % row_extents[-1]:
+    analyzer = Analyzer()
+    extents = [iv.dom.extent for iv in ivs]
+    if not all(analyzer.can_prove_equal(e, r) for e, r in zip(extents[:-1], row_extents[:-1])):
         return None
-    return extents[-1] // row_extents[-1]
+    last, row = static_int(extents[-1]), static_int(row_extents[-1])
+    if last is not None and row is not None:
+        return None if last % row else last // row
+    return 1 if analyzer.can_prove_equal(extents[-1], row_extents[-1]) else None
 
 
 def _row_region(access) -> list:
