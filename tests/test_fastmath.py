@@ -76,6 +76,41 @@ def test_float32_transcendentals_match_float64():
     assert got["sigmoid"][xs == -np.inf].item() == 0.0 and got["sigmoid"][xs == np.inf].item() == 1.0
 
 
+def test_float32_normal_cdf_and_nonpositive_exp_match_float64():
+    """GELU's float32 CDF (1 + erf(z)) / 2 from exp(-z^2) and that exponential (argument <= 0)
+    against float64 erfc / exp: relative accuracy in the lower tail too, down to where the
+    result leaves float32's normal range (1 + erf(z) cancels to nothing there)."""
+    xs = _inputs()
+    x = te.placeholder(xs.shape, "float32", name="x")
+    cdf = te.compute(x.shape, lambda i: _math.normal_cdf_f32(x[i], _math.exp_nonpositive_f32(-(x[i] * x[i]))), name="cdf")
+    gauss = te.compute(x.shape, lambda i: _math.exp_nonpositive_f32(-tvm.tirx.abs(x[i])), name="gauss")
+    f = tvm.compile(tvm.IRModule({"main": te.create_prim_func([x, cdf, gauss])}), target="llvm")
+    outs = [tvm.runtime.empty(xs.shape, "float32") for _ in range(2)]
+    f(tvm.runtime.tensor(xs), *outs)
+    got_cdf, got_exp = (o.numpy().astype(np.float64) for o in outs)
+    z = xs.astype(np.float64)
+    real = ~np.isnan(z)
+    with np.errstate(all="ignore"):
+        ref_cdf = 0.5 * np.vectorize(math.erfc, otypes=[np.float64])(-z)
+        ref_exp = np.exp(-np.abs(z))
+    assert np.isnan(got_cdf[~real]).all()
+    assert got_cdf[z == np.inf].item() == 1.0 and got_cdf[z == -np.inf].item() == 0.0
+    assert got_exp[z == -np.inf].item() == 0.0 and got_exp[z == 0].min() == 1.0
+    normal = real & (ref_cdf >= 1e-37)
+    # error budget: the rational form's rounding, and exp(-z^2)'s argument z^2 rounded to float32
+    # (relative error z^2 * 2^-24 in the exponential)
+    budget = 4e-7 + 1.2e-7 * z[normal] ** 2
+    rel = np.abs(got_cdf[normal] - ref_cdf[normal]) / ref_cdf[normal]
+    assert (rel <= budget).all(), f"cdf: max relative error {rel.max():.3g} at z={xs[normal][rel > budget][:5]}"
+    assert (rel[z[normal] < -5] > 0).any() and ref_cdf[normal].min() < 1e-30  # the tail is in the check
+    assert np.abs(got_cdf[real & ~normal] - ref_cdf[real & ~normal]).max() <= 1e-40
+    tiny = real & (ref_exp < float(np.finfo(np.float32).tiny))
+    assert np.all(np.abs(got_exp[tiny] - ref_exp[tiny]) <= 2 * DENORMAL), "exp: denormal range"
+    big = real & ~tiny
+    err = np.abs(got_exp[big] - ref_exp[big]) / ref_exp[big]
+    assert err.max() <= 3e-7, f"exp of a nonpositive argument: max relative error {err.max():.3g}"
+
+
 def test_fused_gelu_backward_is_vectorized_without_libm_calls():
     import rlx_tvm
     from tvm import relax

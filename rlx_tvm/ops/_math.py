@@ -65,36 +65,68 @@ def _odd_series(x, coefficients):
     return x * acc
 
 
-def exp_f32(x):
-    """exp(x) for float32: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to degree 7
-    (truncation error below 6e-9 relative), 2^n assembled in the exponent bits."""
-    xc = tirx.min(tirx.max(x, _f32(_EXP_LO)), _f32(_EXP_HI))
+def _exp_in_range_f32(xc):
+    """exp(xc) for xc in [_EXP_LO, _EXP_HI]: xc = n ln2 + r with |r| <= ln2 / 2, e^r by its
+    Taylor series to degree 7 (truncation error below 6e-9 relative), 2^n assembled in the
+    exponent bits."""
     n = tirx.floor(xc * _f32(_LOG2E) + _f32(0.5))
     r = xc - n * _f32(_LN2_HI) - n * _f32(_LN2_LO)
     p = _f32(1.0 / 5040)
     for k in (720, 120, 24, 6, 2, 1, 1):
         p = p * r + _f32(1.0 / k)
-    y = _times_pow2_f32(p, n.astype("int32"))
+    return _times_pow2_f32(p, n.astype("int32"))
+
+
+def exp_f32(x):
+    """exp(x) for float32, every input (overflow to inf, underflow to 0, NaN passed through)."""
+    y = _exp_in_range_f32(tirx.min(tirx.max(x, _f32(_EXP_LO)), _f32(_EXP_HI)))
     y = tirx.Select(x <= _f32(_EXP_LO), _f32(0.0), y)
     y = tirx.Select(x > _f32(_EXP_HI), _f32(float("inf")), y)
     return _nan_passthrough(x, y)
 
 
+def exp_nonpositive_f32(x):
+    """exp(x) for a float32 x <= 0 or NaN (exp(-z^2)): no overflow to handle, and a NaN need not be
+    passed through (it gives a number), for callers whose result takes the NaN from x elsewhere."""
+    return tirx.Select(x <= _f32(_EXP_LO), _f32(0.0), _exp_in_range_f32(tirx.max(x, _f32(_EXP_LO))))
+
+
 _ERF_SERIES = [2 / math.sqrt(math.pi) * c for c in (1, -1 / 3, 1 / 10, -1 / 42, 1 / 216, -1 / 1320, 1 / 9360)]
 
 
-def erf_f32(x, exp_neg_x2=None):
+def erf_f32(x):
     """erf(x) for float32: its Taylor series for |x| < 0.5 (relative error ~1e-9), Abramowitz &
-    Stegun 7.1.26 above (absolute error <= 1.5e-7, where erf(x) > 0.52). ``exp_neg_x2``: exp(-x^2)
-    when the caller has it already (GELU's derivative also needs it), else computed here."""
+    Stegun 7.1.26 above (absolute error <= 1.5e-7, where erf(x) > 0.52)."""
     ax = tirx.abs(x)
     t = _f32(1.0) / (_f32(1.0) + _f32(0.3275911) * ax)
     poly = _f32(1.061405429)
     for a in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
         poly = poly * t + _f32(a)
-    tail = _f32(1.0) - poly * t * (exp_f32(-(x * x)) if exp_neg_x2 is None else exp_neg_x2)
+    tail = _f32(1.0) - poly * t * exp_f32(-(x * x))
     y = tirx.Select(x < _f32(0.0), -tail, tail)
     return _nan_passthrough(x, tirx.Select(ax < _f32(0.5), _odd_series(x, _ERF_SERIES), y))
+
+
+# erfc(z) = t exp(-z^2) R(t) with t = 1 / (1 + z / 2), z >= 0: R, a polynomial in t (highest
+# degree first), fitted for this module to relative error (weighted least squares, Lawson's
+# reweighting) on z in [0, 9.5], beyond which exp(-z^2) is below float32's normal range; its
+# relative error there is below 2e-8 in float64.
+_ERFC_R = (0.013851472230597002, -0.1316136351733736, 0.44816765856361257, -0.6950425172641383,
+           0.4414772272371197, -0.10879078162871499, 0.22901708749233368, 0.23793506530225883,
+           0.28293780113853506, 0.28206060468891825)
+
+
+def normal_cdf_f32(z, exp_neg_z2):
+    """(1 + erf(z)) / 2 for float32 (the normal CDF at sqrt(2) z) from ``exp_neg_z2`` = exp(-z^2),
+    which GELU's derivative needs anyway: erfc(|z|) / 2 below zero, 1 - erfc(z) / 2 above, with
+    erfc in the form above. Unlike (1 + erf(z)) / 2, the lower tail keeps its relative accuracy
+    (1 + erf(z) cancels to nothing there), and there is no second branch near zero."""
+    t = _f32(1.0) / (_f32(1.0) + _f32(0.5) * tirx.abs(z))
+    r = _f32(_ERFC_R[0])
+    for c in _ERFC_R[1:]:
+        r = r * t + _f32(c)
+    half_erfc = _f32(0.5) * (t * r * exp_neg_z2)
+    return tirx.Select(z < _f32(0.0), half_erfc, _f32(1.0) - half_erfc)
 
 
 _TANH_SERIES = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835)
@@ -146,11 +178,14 @@ class TirMath:
     tanh = staticmethod(tir_tanh)
     erf = staticmethod(tir_erf)
 
-    @staticmethod
-    def erf_and_gauss(x):
-        """(erf(x), exp(-x^2)), the exponential computed once for both."""
-        gauss = tir_exp(-(x * x))
-        return (erf_f32(x, gauss) if _is_f32(x) else tirx.erf(x)), gauss
+    def normal_cdf_and_gauss(self, z):
+        """((1 + erf(z)) / 2, exp(-z^2)), the exponential computed once for both."""
+        if _is_f32(z):
+            # NaN: the exponential gives a number, but z reaches both results (through t and z)
+            gauss = exp_nonpositive_f32(-(z * z))
+            return normal_cdf_f32(z, gauss), gauss
+        return self.c(0.5) * (self.c(1.0) + tirx.erf(z)), tirx.exp(-(z * z))
+
     sqrt = staticmethod(tirx.sqrt)
     sin = staticmethod(tirx.sin)
     cos = staticmethod(tirx.cos)
@@ -204,9 +239,9 @@ class RelaxMath:
     tanh = staticmethod(relax.op.tanh)
     erf = staticmethod(relax.op.erf)
 
-    @staticmethod
-    def erf_and_gauss(x):
-        return relax.op.erf(x), relax.op.exp(relax.op.negative(relax.op.multiply(x, x)))
+    def normal_cdf_and_gauss(self, z):
+        cdf = relax.op.multiply(self.c(0.5), relax.op.add(self.c(1.0), relax.op.erf(z)))
+        return cdf, relax.op.exp(relax.op.negative(relax.op.multiply(z, z)))
 
     sqrt = staticmethod(relax.op.sqrt)
     sin = staticmethod(relax.op.sin)
@@ -256,8 +291,9 @@ class NumpyMath:
         return _np_erf(x)
 
     @staticmethod
-    def erf_and_gauss(x):
-        return _np_erf(x), np.exp(-(x * x))
+    def normal_cdf_and_gauss(z):
+        # erfc(-z) / 2, not (1 + erf(z)) / 2: the reference keeps the lower tail's digits too
+        return 0.5 * np.vectorize(math.erfc, otypes=[np.float64])(-np.asarray(z, dtype=np.float64)), np.exp(-(z * z))
 
     @staticmethod
     def sigmoid(x):

@@ -54,12 +54,10 @@ def _sign(m, x):
 
 
 def _gelu_d(m, x):
-    # Phi(x) + x phi(x) with z = x / sqrt(2): phi is exp(-z^2) / sqrt(2 pi), and exp(-z^2) is also
-    # the factor of erf's tail, so the fused kernels compute it once.
-    erf_z, gauss = m.erf_and_gauss(x * m.c(_SQRT_HALF))
-    cdf = m.c(0.5) * (m.c(1.0) + erf_z)
-    pdf = m.c(_INV_SQRT_2PI) * gauss
-    return cdf + x * pdf
+    # Phi(x) + x phi(x) with z = x / sqrt(2): Phi(x) = (1 + erf(z)) / 2 and phi(x) = exp(-z^2) /
+    # sqrt(2 pi); the float32 kernel computes Phi from exp(-z^2) too (erfc's form), once for both.
+    cdf, gauss = m.normal_cdf_and_gauss(x * m.c(_SQRT_HALF))
+    return cdf + x * (m.c(_INV_SQRT_2PI) * gauss)
 
 
 def _gelu_tanh_d(m, x):
