@@ -85,10 +85,12 @@ def exp_f32(x):
     return _nan_passthrough(x, y)
 
 
-def exp_nonpositive_f32(x):
-    """exp(x) for a float32 x <= 0 or NaN (exp(-z^2)): no overflow to handle, and a NaN need not be
-    passed through (it gives a number), for callers whose result takes the NaN from x elsewhere."""
-    return tirx.Select(x <= _f32(_EXP_LO), _f32(0.0), _exp_in_range_f32(tirx.max(x, _f32(_EXP_LO))))
+def exp_nonpositive_f32(x, pass_nan=True):
+    """exp(x) for a float32 x <= 0 or NaN (exp(z - max z), exp(-|x|), exp(-z^2)): no overflow to
+    handle. ``pass_nan=False`` for callers whose result takes a NaN from x elsewhere: a NaN x then
+    gives a number here."""
+    y = tirx.Select(x <= _f32(_EXP_LO), _f32(0.0), _exp_in_range_f32(tirx.max(x, _f32(_EXP_LO))))
+    return _nan_passthrough(x, y) if pass_nan else y
 
 
 _ERF_SERIES = [2 / math.sqrt(math.pi) * c for c in (1, -1 / 3, 1 / 10, -1 / 42, 1 / 216, -1 / 1320, 1 / 9360)]
@@ -135,7 +137,7 @@ _TANH_SERIES = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835)
 def tanh_f32(x):
     """tanh(x) for float32: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (no overflow), its Taylor
     series for |x| < 0.125 where that form would lose digits."""
-    e = exp_f32(_f32(-2.0) * tirx.abs(x))
+    e = exp_nonpositive_f32(_f32(-2.0) * tirx.abs(x))
     y = (_f32(1.0) - e) / (_f32(1.0) + e)
     y = tirx.Select(x < _f32(0.0), -y, y)
     return _nan_passthrough(x, tirx.Select(tirx.abs(x) < _f32(0.125), _odd_series(x, _TANH_SERIES), y))
@@ -150,6 +152,11 @@ def tir_exp(x):
     return exp_f32(x) if _is_f32(x) else tirx.exp(x)
 
 
+def tir_exp_nonpositive(x):
+    """exp(x) where x <= 0 or NaN by construction (cheaper in float32: no overflow check)."""
+    return exp_nonpositive_f32(x) if _is_f32(x) else tirx.exp(x)
+
+
 def tir_erf(x):
     return erf_f32(x) if _is_f32(x) else tirx.erf(x)
 
@@ -162,7 +169,7 @@ def tir_sigmoid(x):
     if not _is_f32(x):
         return tirx.sigmoid(x)
     # 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below: neither side overflows.
-    e = exp_f32(-tirx.abs(x))
+    e = exp_nonpositive_f32(-tirx.abs(x))
     return tirx.Select(x >= _f32(0.0), _f32(1.0) / (_f32(1.0) + e), e / (_f32(1.0) + e))
 
 
@@ -182,7 +189,7 @@ class TirMath:
         """((1 + erf(z)) / 2, exp(-z^2)), the exponential computed once for both."""
         if _is_f32(z):
             # NaN: the exponential gives a number, but z reaches both results (through t and z)
-            gauss = exp_nonpositive_f32(-(z * z))
+            gauss = exp_nonpositive_f32(-(z * z), pass_nan=False)
             return normal_cdf_f32(z, gauss), gauss
         return self.c(0.5) * (self.c(1.0) + tirx.erf(z)), tirx.exp(-(z * z))
 

@@ -25,7 +25,7 @@ import numpy as np
 from tvm import relax, te, tirx
 
 from ..schedules.common import KEEP_STAGE
-from ._math import acc_dtype, tensor_dtype, tir_exp
+from ._math import acc_dtype, tensor_dtype, tir_exp_nonpositive
 from .indexing import constant_array
 from .registry import INT_DTYPES, Attr, check_float, check_int, define_op, fmt_shape
 
@@ -134,7 +134,7 @@ def _row_stats(z, acc):
     row_max = te.compute((n,), lambda i: te.max(z[i, k].astype(acc), axis=k), name="row_max")
     k2 = te.reduce_axis((0, c), name="k2")
     row_sum = te.compute(
-        (n,), lambda i: te.sum(tir_exp(z[i, k2].astype(acc) - row_max[i]), axis=k2), name="row_sum_exp"
+        (n,), lambda i: te.sum(tir_exp_nonpositive(z[i, k2].astype(acc) - row_max[i]), axis=k2), name="row_sum_exp"
     )
     return row_max, row_sum
 
@@ -244,7 +244,7 @@ def _sce_backward_fused(bb, logits, labels, d_loss, *, ignore_index=-100, label_
         # exp(z - max) as a stage of its own (kept: not inlined), read by the row sum and by the
         # gradient: one exp per element instead of two. The CPU schedule computes it per row into
         # a row-sized buffer that stays in cache.
-        shifted_exp = te.compute((n, c), lambda i, j: tir_exp(z[i, j].astype(acc) - row_max[i]),
+        shifted_exp = te.compute((n, c), lambda i, j: tir_exp_nonpositive(z[i, j].astype(acc) - row_max[i]),
                                  name="shifted_exp", attrs=KEEP_STAGE)
         k2 = te.reduce_axis((0, c), name="k2")
         row_sum = te.compute((n,), lambda i: te.sum(shifted_exp[i, k2], axis=k2), name="row_sum_exp")
