@@ -440,16 +440,20 @@ def test_higher_orders_through_the_attention_gradient_rules():
 # -- dq, dk and dv computed together (FuseSiblingBackwardOps, applied by rlx_tvm.compile on CPU) ------
 
 
-@pytest.mark.parametrize("dtype,symbolic,chunk_bytes", [
-    ("float32", False, None), ("float64", False, None), ("float64", True, None),
-    ("float64", False, 1),  # one (batch, kv head) pair per call: slices of every input and bias shape
+@pytest.mark.parametrize("dtype,symbolic,chunk_bytes,row_block", [
+    ("float32", False, None, None), ("float64", False, None, None), ("float64", True, None, None),
+    ("float64", False, 1, None),  # one (batch, kv head) pair per call: slices of every input and bias shape
+    ("float64", False, None, 1),  # causal masks: one query row per call, with the keys it sees
+    ("float64", False, 1, 2),  # both
 ])
-def test_gradients_asked_together_share_one_kernel(dtype, symbolic, chunk_bytes, monkeypatch):
+def test_gradients_asked_together_share_one_kernel(dtype, symbolic, chunk_bytes, row_block, monkeypatch):
     from rlx_tvm.testing import check_sibling_groups
 
     attention_module = importlib.import_module("rlx_tvm.ops.attention")
     if chunk_bytes is not None:
         monkeypatch.setattr(attention_module, "CHUNK_TILE_BYTES", chunk_bytes)
+    if row_block is not None:
+        monkeypatch.setattr(attention_module, "ROW_BLOCK", row_block)
     # Every option with all three gradients; pairs (and a repeated one) on the first two.
     chosen = [(o, "qkv") for o in OPTIONS] + [(OPTIONS[1], "kv"), (OPTIONS[2], "qk"), (OPTIONS[0], "vqv")]
     groups = []
@@ -463,15 +467,19 @@ def test_gradients_asked_together_share_one_kernel(dtype, symbolic, chunk_bytes,
     for i, cases in enumerate(groups):
         calls = []
         relax.analysis.post_order_visit(lowered[f"group_{i}"], lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
-        kernels = {c.args[0].name_hint: c for c in calls
-                   if c.op.name == "relax.call_tir" and c.args[0].name_hint.startswith("rlx_attention_backward")}
-        assert len(kernels) == 1, (i, sorted(kernels))  # one kernel for all the gradients asked
-        (call,) = kernels.values()
-        assert len(call.ty.fields) == len({c.attrs["wrt"] for c in cases}), i
-        n_calls = sum(c.op.name == "relax.call_tir" and c.args[0].same_as(call.args[0]) for c in calls)
+        kernels = [c for c in calls if c.op.name == "relax.call_tir" and c.args[0].name_hint.startswith("rlx_attention_backward")]
+        # one kernel for all the gradients asked (one per shape of a block of rows and its keys)
+        assert all(len(c.ty.fields) == len({case.attrs["wrt"] for case in cases}) for c in kernels), i
         b, h = cases[0].inputs["k"].shape[0], cases[0].inputs["k"].shape[2]
+        sq, sk = cases[0].inputs["q"].shape[1], cases[0].inputs["k"].shape[1]
+        blocked = row_block is not None and "causal_mask" in cases[0].attrs and sq <= sk and sq > row_block
+        rows = -(-sq // row_block) if blocked else 1
+        if row_block is None:
+            assert len({c.args[0].name_hint for c in kernels}) == 1, i
         if chunk_bytes == 1:
-            assert n_calls == b * h, (i, n_calls)  # every (batch, kv head) pair its own call
+            assert len(kernels) == b * h * rows, (i, len(kernels))  # every (batch, kv head) pair its own call
+        elif blocked:
+            assert len(kernels) in (rows, b * rows), (i, len(kernels))
 
 
 def test_attention_is_sliced_into_cache_sized_chunks():
@@ -485,6 +493,23 @@ def test_attention_is_sliced_into_cache_sized_chunks():
     assert gqa == [(b, c, c + 1) for b in range(4) for c in range(2)]  # 4 query heads per kv head
     n = tvm.tirx.Var("n", "int64")
     assert attention_module._head_chunks(tensor_var("q", (n, 512, 8, 64)), tensor_var("k", (n, 512, 8, 64))) is None
+
+
+def test_causal_attention_runs_blocks_of_rows_on_the_keys_they_see():
+    """A causal mask leaves the keys after a block's last row (and, with a window, before its first
+    row's window) out of the block's call; no blocks without a causal mask, with Sk < Sq (rows that
+    see no key) or a symbolic length."""
+    attention_module = importlib.import_module("rlx_tvm.ops.attention")
+    blocks = attention_module._visible_key_blocks
+    q512, k512 = tensor_var("q", (4, 512, 8, 64)), tensor_var("k", (4, 512, 8, 64))
+    assert blocks(q512, k512, None, {"causal_mask": "TopLeft"}) == [(0, 256, 0, 256), (256, 512, 0, 512)]
+    q300 = tensor_var("q", (1, 300, 8, 64))
+    assert blocks(q300, k512, None, {"causal_mask": "BottomRight"}) == [(0, 256, 0, 468), (256, 300, 0, 512)]
+    assert blocks(q300, k512, None, {"causal_mask": "TopLeft", "window_size": 100}) == [(0, 256, 0, 256), (256, 300, 156, 300)]
+    assert blocks(q512, k512, None, {"causal_mask": None, "window_size": 3}) is None
+    assert blocks(q512, q300, None, {"causal_mask": "BottomRight"}) is None  # Sk < Sq
+    n = tvm.tirx.Var("n", "int64")
+    assert blocks(tensor_var("q", (1, n, 8, 64)), tensor_var("k", (1, n, 8, 64)), None, {"causal_mask": "TopLeft"}) is None
 
 
 def test_gradients_of_different_attentions_stay_apart():
