@@ -408,6 +408,17 @@ class _Groups:
 
         return te.compute((self.shape[self.channel],), body, name=name)
 
+    def over_group_channels(self, name, f):
+        """Block-shaped stage: the sum of ``f(batch indices, channel)`` over the block's channels
+        (per-channel results combined per group)."""
+
+        def body(*o):
+            *b, g = o
+            c = te.reduce_axis((0, self.per_group), name=f"{name}_c")
+            return te.sum(f(b, g * self.per_group + c), axis=c)
+
+        return te.compute(self.block_shape, body, name=name)
+
     def per_sample_sum(self, name, f):
         """[*batch, C] stage: sum of ``f`` over the reduced axes only (what :meth:`channel_sum`
         then sums over the batch); a row reduction per sample and channel."""
@@ -729,13 +740,28 @@ def _gn_kernel(roles, x, num_groups, eps, partial=None):
         xv, dyv = _loader(xt, acc), _loader(dyt, acc)
         xh, r = _te_layer_stats(groups, xv, eps)
         outs = {}
-        if "input" in roles:
-            s = lambda i: dyv(i) * gt[i[1]].astype(acc)  # noqa: E731  (gamma along the channel axis)
-            outs["input"] = _te_normalized_dx(groups, s, xh, r, xt.shape, dtype, ("mean_s", "mean_sxh"))
         if "gamma" in roles:
             outs["gamma"] = _param_sum(groups, "dgamma", lambda i: dyv(i) * xh(i), dtype, partial)
         if "beta" in roles:
             outs["beta"] = _param_sum(groups, "dbeta", dyv, dtype, partial)
+        if "input" in roles:
+            # dx's group means of dy * gamma and dy * gamma * xh from per-channel sums of dy and
+            # dy * xh, which are dgamma's and dbeta's partial sums: one pass over x and dy for all.
+            def per_channel(role, name, f):
+                return outs[role] if partial is not None and role in outs else groups.per_sample_sum(name, f)
+
+            sum_dy = per_channel("beta", "sum_dy", dyv)
+            sum_dy_xh = per_channel("gamma", "sum_dy_xh", lambda i: dyv(i) * xh(i))
+            gamma = lambda c: gt[c].astype(acc)  # noqa: E731
+            mean_s = groups.at(groups.over_group_channels("mean_s", lambda b, c: gamma(c) * sum_dy(*b, c)))
+            mean_sxh = groups.at(groups.over_group_channels("mean_sxh", lambda b, c: gamma(c) * sum_dy_xh(*b, c)))
+            count = groups.count
+
+            def dx(*i):
+                g = dyv(i) * gamma(i[1])
+                return (r(i) * (g - mean_s(i) / count - xh(i) * (mean_sxh(i) / count))).astype(dtype)
+
+            outs["input"] = te.compute(xt.shape, dx, name="dx")
         return _in_order(outs, roles)
 
     return kernel

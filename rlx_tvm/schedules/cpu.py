@@ -160,10 +160,10 @@ class ParallelFallback(CPUScheduleRule):
                 chunk_sums.append(block)
             else:
                 return None
-            if not _reads_only_own_row(stmt, expected, row_buffers, written, analyzer):
+            if not _reads_only_own_row(stmt, expected, row_buffers, written):
                 return None
             if len(_row_region(stmt.writes[0])) == n_row and group is not None:
-                row_buffers.append(stmt.writes[0].source)
+                row_buffers.append((stmt.writes[0].source, group))
             written.append(stmt.writes[0].source)
         if len(stages) < 2:
             return None
@@ -237,6 +237,8 @@ class ParallelFallback(CPUScheduleRule):
         extents = [static_int(sch.get(loop).extent) for loop in loops[n_spatial:]]
         if None in extents or prod(extents) < 16 * lanes:
             return None
+        loops = [*loops[:n_spatial], *_fuse_contiguous_tail(sch, block, loops[n_spatial:], lanes)]
+        extents = [static_int(sch.get(loop).extent) for loop in loops[n_spatial:]]
         width = _vector_width(extents[-1], lanes)
         if width is None:
             return None
@@ -260,6 +262,7 @@ class ParallelFallback(CPUScheduleRule):
         stmt = sch.get(block)
         if not loops or _n_spatial(sch, block) != len(stmt.iter_vars) or not isinstance(stmt.body, tirx.BufferStore):
             return
+        loops = _fuse_contiguous_tail(sch, block, loops, lanes)
         width = _vector_width(static_int(sch.get(loops[-1]).extent), lanes)
         if width is not None:
             sch.vectorize(sch.split(loops[-1], factors=[None, width])[1])
@@ -459,6 +462,32 @@ def _partial_sums_in_registers(sch: s_tir.Schedule, partial, lane_loop, chains: 
     sch.vectorize(vec)
 
 
+def _fuse_contiguous_tail(sch: s_tir.Schedule, block, loops: list, lanes: int) -> list:
+    """A block's innermost ``loops`` with the last two fused into one when the last does not hold
+    whole vectors of ``lanes`` but the two together run contiguously through every buffer the
+    block touches: each access indexes its buffer's last two dims with the block's last two
+    iterators (the loops' own, untransformed), the last of full extent, or does not depend on
+    them (a per-row value). Group norm's 56 x 56
+    planes then run as 196 vectors of 16 instead of 56 rows of 7 vectors of 8."""
+    if len(loops) < 2:
+        return loops
+    extents = [static_int(sch.get(lp).extent) for lp in loops[-2:]]
+    stmt = sch.get(block)
+    ivs = stmt.iter_vars[-2:]
+    if None in extents or extents[1] % lanes == 0 or len(stmt.iter_vars) < 2 \
+            or [static_int(iv.dom.extent) for iv in ivs] != extents:
+        return loops
+    for access in (*stmt.reads, *stmt.writes):
+        region, shape = access.region, access.source.shape
+        if not any(_uses(r.min, iv.var) for r in region for iv in ivs):
+            continue  # a value per row (statistics, gamma): the same along the fused loop
+        if len(region) < 2 or static_int(shape[-1]) != extents[1] or any(
+                not r.min.same_as(iv.var) or static_int(r.extent) != 1 for r, iv in zip(region[-2:], ivs)) \
+                or any(_uses(r.min, iv.var) for r in region[:-2] for iv in ivs):
+            return loops
+    return [*loops[:-2], sch.fuse(*loops[-2:])]
+
+
 def _vector_width(extent: int | None, lanes: int) -> int | None:
     """The widest vector, a whole one or a half (rows of 56: 8 lanes of 16), that divides a static
     ``extent``; None for a symbolic extent or when neither divides it."""
@@ -528,14 +557,20 @@ def _row_region(access) -> list:
     return [r for r, n in zip(access.region, access.source.shape) if static_int(n) != 1]
 
 
-def _reads_only_own_row(stmt, expected: list, row_buffers: list, written: list, analyzer) -> bool:
-    """Every read of a per-row result (``row_buffers``) is one element at the ``expected`` row
-    index; nothing else another stage writes (``written``) is read."""
+def _reads_only_own_row(stmt, expected: list, row_buffers: list, written: list) -> bool:
+    """Every read of a per-row result (``row_buffers``: (buffer, k), k values per row, e.g. group
+    norm's per-channel sums) is one element of the row at the ``expected`` index (any of its k
+    values); nothing else another stage writes (``written``) is read."""
+    analyzer = Analyzer()
+    for iv in stmt.iter_vars:
+        analyzer.bind(iv.var, iv.dom)
     for read in stmt.reads:
-        if any(read.source.same_as(b) for b in row_buffers):
+        k = next((k for b, k in row_buffers if read.source.same_as(b)), None)
+        if k is not None:
             region = _row_region(read)
             if len(region) != len(expected) or any(static_int(r.extent) != 1 for r in region) or not all(
-                    analyzer.can_prove_equal(r.min, e) for r, e in zip(region, expected)):
+                    analyzer.can_prove_equal(r.min, e) for r, e in zip(region[:-1], expected[:-1])) \
+                    or not analyzer.can_prove_equal(tirx.floordiv(region[-1].min, k), expected[-1]):
                 return False
         elif any(read.source.same_as(b) for b in written):
             return False
