@@ -156,12 +156,28 @@ def test_cpu_direct_forms_are_used_for_unit_stride():
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_direct_forms_under_the_default_cpu_schedule(dtype):
     """The direct forms as rlx_tvm.compile schedules them when untuned: register-blocked tiles
-    (local accumulators) over rows of 24 (half vectors) and 16 columns and over 8-channel rows."""
+    (local accumulators) over rows of 24 (half vectors), 56 and 16 columns and over 8-channel
+    rows, each tile at most TILE_ACCUMULATORS vectors (more spill to the stack every step)."""
+    from rlx_tvm.schedules.cpu import TILE_ACCUMULATORS
+
     cases = [*conv_cases("24-wide rows", 2, 8, 8, (6, 24), (3, 3), padding=1),
+             *conv_cases("56-wide rows", 1, 8, 8, (3, 56), (3, 3), padding=1),
              *conv_cases("16-wide rows", 1, 8, 12, (4, 16), (2, 3), padding=(1, 1, 0, 1))]
     lowered = build.lower(build_module(cases, dtype, False), cpu_target(), tuning_log=None, verbose=False)
-    scripts = [f.script() for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
-    assert len(scripts) == 4 and all('scope="local"' in s for s in scripts)
+    funcs = [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
+    assert len(funcs) == 6 and all('scope="local"' in f.script() for f in funcs)
+    lanes = tvm.target.codegen.llvm_get_vector_width(cpu_target()) // 32  # the schedule's unit: float32 lanes
+    for f in funcs:
+        sch = tvm.s_tir.Schedule(f)
+        for block in sch.get_child_blocks(sch.get_sblock("root")):
+            if not sch.get(block).name_hint.endswith("_update"):
+                continue
+            loops = [sch.get(lp) for lp in sch.get_loops(block)]
+            if loops[-1].kind != tirx.ForKind.VECTORIZED:
+                continue
+            unrolled = [int(lp.extent) for lp in loops if lp.kind == tirx.ForKind.UNROLLED]
+            vectors = int(np.prod(unrolled)) * max(1, int(loops[-1].extent) // lanes)
+            assert vectors <= TILE_ACCUMULATORS, (sch.get(block).name_hint, unrolled, int(loops[-1].extent))
     outs = compile_and_run(lowered, cases, dtype, target=cpu_target())
     failures = [f"{c.name}: {p}" for c, o in zip(cases, outs) if (p := compare(o, c.reference(dtype), dtype))]
     assert not failures, "\n".join(failures)
