@@ -5,6 +5,7 @@ baseline formulations, tuning-log lookup by target, and smoke tests of ``rlx-tvm
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -97,7 +98,7 @@ def test_multi_stage_row_kernels_run_in_one_parallel_loop():
     """Norm and softmax-CE backward kernels at rows long enough to matter: every stage (the
     statistics, the gradient, the norms' parameter-gradient partial sums) runs inside one parallel
     loop over the rows (chunks of rows), or over (n, group) for group norm, so a row is read from
-    memory once; group norm's long rows are summed in four
+    memory once; group norm's long rows are summed in several
     vector accumulators, partial sums in local buffers. Outputs match NumPy."""
     shapes = {
         "layer_norm_backward": {"x": ((16, 768), "normal"), "gamma": ((768,), "positive"),
@@ -117,7 +118,9 @@ def test_multi_stage_row_kernels_run_in_one_parallel_loop():
                  "rlx_softmax_cross_entropy_backward"):
         script = scripts[name]
         assert script.count("T.parallel") == 1 and script.count("_rf") >= 2 and 'scope="local"' in script, name
-    assert "T.unroll(T.int64(4))" in scripts["rlx_group_norm_backward_input_gamma_beta"]  # 4 accumulators per row
+    # several vector accumulators per row (2 of 16 lanes on AVX-512: the 28 x 56 planes fused into
+    # whole vectors; 4 of 8 where they are 56-lane rows of half vectors)
+    assert re.search(r"T\.unroll\(T\.int64\([24]\)\)", scripts["rlx_group_norm_backward_input_gamma_beta"])
     vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
     for k in kernels:
         got = [o.numpy() for o in vm[k.name](*as_tensors(k.inputs("small").values()))]
