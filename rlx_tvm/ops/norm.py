@@ -295,7 +295,9 @@ class _Rows:
         def body(t, h):
             row = t * per + r
             value = f((row, h))
-            return te.sum(value if inside is None else tirx.if_then_else(inside(row), value, tirx.const(0, self.acc)), axis=r)
+            if inside is not None:
+                value = tirx.if_then_else(inside(row), value, tirx.const(0, self.acc))
+            return te.sum(value, axis=r)
 
         return te.compute((chunks, self.shape[1]), body, name=name)
 

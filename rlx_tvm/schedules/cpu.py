@@ -345,8 +345,8 @@ class ParallelFallback(CPUScheduleRule):
         outer, inner = list(lead[:-1]), []
         if tiled is not None:
             # At most TILE_ACCUMULATORS vectors of accumulators: 4 rows of 7 half vectors (56
-            # columns) spilled to the stack on every step (conv2d dx at N8 C64 56x56: 14.1 -> 13.3
-            # ms with 2 rows).
+            # columns) spilled to the stack on every step (conv2d dx at N8 C64 56x56: 13.9-14.2 ->
+            # 13.0-13.1 ms with 2 rows).
             vectors = width // lanes if width % lanes == 0 else width // (lanes // 2)
             tile_rows = ROW_TILE if ROW_TILE * vectors <= TILE_ACCUMULATORS else max(1, TILE_ACCUMULATORS // vectors)
             rows, row = sch.split(lead[tiled], factors=[None, tile_rows])
@@ -407,8 +407,8 @@ def _merge_independent_passes(sch: s_tir.Schedule, row_loop, depth: int) -> None
     """Under the loop over a kernel's rows: passes over a row with the same loop nest (extents from
     ``depth`` down) that do not touch what each other writes run as one loop nest (``merge``, each
     serial level), so that an element is loaded once for all of them: layer norm's two sums after
-    its statistics, and dx with the partial sums of dgamma and dbeta (layer norm backward 3.2 ->
-    2.3 ms at 8192 x 768).
+    its statistics, and dx with the partial sums of dgamma and dbeta (layer norm backward 3.1 ->
+    2.2 ms at 8192 x 768).
 
     ``merge`` puts the merged loop where the last one was: a pass joins the nearest earlier one
     with its nest only when that one may move down past every pass between them."""
@@ -447,14 +447,12 @@ def _passes(sch: s_tir.Schedule, row_loop, depth: int) -> list:
 
 def _independent(sch: s_tir.Schedule, blocks: list, block) -> bool:
     """``block`` neither reads nor writes what ``blocks`` write, nor writes what they read."""
-    def buffers(b, kind):
-        return [r.buffer if hasattr(r, "buffer") else r.source for r in getattr(sch.get(b), kind)]
-
-    written = [buf for b in blocks for buf in buffers(b, "writes")]
-    read = [buf for b in blocks for buf in buffers(b, "reads")]
-    mine = buffers(block, "reads") + buffers(block, "writes")
+    written = [w.source for b in blocks for w in sch.get(b).writes]
+    read = [r.source for b in blocks for r in sch.get(b).reads]
+    mine_written = [w.source for w in sch.get(block).writes]
+    mine = [r.source for r in sch.get(block).reads] + mine_written
     return not any(x.same_as(w) for x in mine for w in written) and \
-        not any(w.same_as(r) for w in buffers(block, "writes") for r in read)
+        not any(w.same_as(r) for w in mine_written for r in read)
 
 
 def _partial_sums_in_registers(sch: s_tir.Schedule, partial, lane_loop, chains: int, width: int) -> None:
@@ -472,8 +470,8 @@ def _fuse_contiguous_tail(sch: s_tir.Schedule, block, loops: list, lanes: int) -
     whole vectors of ``lanes`` but the two together run contiguously through every buffer the
     block touches: each access indexes its buffer's last two dims with the block's last two
     iterators (the loops' own, untransformed), the last of full extent, or does not depend on
-    them (a per-row value). Group norm's 56 x 56
-    planes then run as 196 vectors of 16 instead of 56 rows of 7 vectors of 8."""
+    them (a per-row value). Group norm's 56 x 56 planes then run as 196 vectors of 16 instead of
+    56 rows of 7 vectors of 8."""
     if len(loops) < 2:
         return loops
     extents = [static_int(sch.get(lp).extent) for lp in loops[-2:]]
@@ -541,8 +539,9 @@ TILE_ACCUMULATORS = 16  # vector registers a tile may hold (fewer rows for longe
 
 def _row_group(stmt, row_extents: list) -> int | None:
     """For a block whose leading spatial axes run over the rows of a row kernel (extents
-    ``row_extents``, e.g. [N, G], static or symbolic): how many of its last such index fall in one row (group norm's
-    channels per group for a [N, C, ...] block, 1 for a [N, G] one); None when it has no such axes."""
+    ``row_extents``, e.g. [N, G], static or symbolic): how many of its last such index fall in one
+    row (group norm's channels per group for a [N, C, ...] block, 1 for a [N, G] one); None when it
+    has no such axes."""
     n_row = len(row_extents)
     ivs = stmt.iter_vars[:n_row]
     if len(ivs) < n_row or any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs):
