@@ -594,9 +594,9 @@ def _attention_backward_together(bb, members):
         if blocks is None:
             return kernel(q, k, v, dy, bias)
         sk = static_int(k.ty.shape.values[1])
+        rows = lambda t, lo, hi: bb.emit(relax.op.strided_slice(t, axes=[1], begin=[lo], end=[hi]))  # noqa: E731
         parts = []
         for r0, r1, s0, s1 in blocks:
-            rows = lambda t, lo, hi: bb.emit(relax.op.strided_slice(t, axes=[1], begin=[lo], end=[hi]))  # noqa: E731
             # In the block, key j' = j - s0 is visible to row i' = i - r0 iff j' <= i' + (s1 - s0) -
             # (r1 - r0): BottomRight's rule for the block's shape (and the window as before).
             parts.append(kernel(rows(q, r0, r1), rows(k, s0, s1), rows(v, s0, s1), rows(dy, r0, r1),
@@ -674,7 +674,7 @@ def _visible_key_blocks(q, k, bias, attrs) -> list[tuple[int, int, int, int]] | 
     sq, sk = static_int(q.ty.shape.values[1]), static_int(k.ty.shape.values[1])
     if attrs.get("causal_mask") is None or None in (sq, sk) or sk < sq or sq <= ROW_BLOCK:
         return None
-    if bias is not None and any(d is None for d in (static_int(x) for x in bias.ty.shape.values)):
+    if bias is not None and None in [static_int(d) for d in bias.ty.shape.values]:
         return None
     offset, window = _query_offset(attrs["causal_mask"], sq, sk), attrs.get("window_size")
     blocks = []

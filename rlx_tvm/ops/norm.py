@@ -343,9 +343,15 @@ def _te_rms_r(rows: _Rows, x, eps, keep=True):
 
 def _te_normalized_dx(view, g, xh, r, shape, dtype, names):
     """``r * (g - mean(g) - xh * mean(g * xh))`` per row (block) of ``view``: the input gradient of
-    layer and group norm, with ``g`` = dy times gamma along its axis."""
+    layer norm (and group norm's, whose kernel takes the two means from per-channel sums), with
+    ``g`` = dy times gamma along its axis."""
     mean_g = view.stat_mean(names[0], g)
     mean_gxh = view.stat_mean(names[1], lambda i: g(i) * xh(i))
+    return _te_dx_from_means(g, xh, r, mean_g, mean_gxh, shape, dtype)
+
+
+def _te_dx_from_means(g, xh, r, mean_g, mean_gxh, shape, dtype):
+    """``r * (g - mean_g - xh * mean_gxh)`` on full indices, cast to ``dtype``."""
     return te.compute(shape, lambda *i: (r(i) * (g(i) - mean_g(i) - xh(i) * mean_gxh(i))).astype(dtype), name="dx")
 
 
@@ -755,15 +761,11 @@ def _gn_kernel(roles, x, num_groups, eps, partial=None):
             sum_dy = per_channel("beta", "sum_dy", dyv)
             sum_dy_xh = per_channel("gamma", "sum_dy_xh", lambda i: dyv(i) * xh(i))
             gamma = lambda c: gt[c].astype(acc)  # noqa: E731
-            mean_s = groups.at(groups.over_group_channels("mean_s", lambda b, c: gamma(c) * sum_dy(*b, c)))
-            mean_sxh = groups.at(groups.over_group_channels("mean_sxh", lambda b, c: gamma(c) * sum_dy_xh(*b, c)))
-            count = groups.count
-
-            def dx(*i):
-                g = dyv(i) * gamma(i[1])
-                return (r(i) * (g - mean_s(i) / count - xh(i) * (mean_sxh(i) / count))).astype(dtype)
-
-            outs["input"] = te.compute(xt.shape, dx, name="dx")
+            sum_s = groups.at(groups.over_group_channels("mean_s", lambda b, c: gamma(c) * sum_dy(*b, c)))
+            sum_sxh = groups.at(groups.over_group_channels("mean_sxh", lambda b, c: gamma(c) * sum_dy_xh(*b, c)))
+            outs["input"] = _te_dx_from_means(
+                lambda i: dyv(i) * gamma(i[1]), xh, r, lambda i: sum_s(i) / groups.count,
+                lambda i: sum_sxh(i) / groups.count, xt.shape, dtype)
         return _in_order(outs, roles)
 
     return kernel
