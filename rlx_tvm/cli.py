@@ -74,8 +74,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             raise SystemExit("rlx-tvm tune: --rpc needs --key (the key the RPC servers registered with)")
         runner = rpc_runner(args.rpc, args.key)
         print(f"measuring on RPC servers with key {args.key!r} via the tracker at {args.rpc}", flush=True)
-    print(f"tuning {len(kernels)} suite kernel(s) for {key} ({target}), {args.trials} trials per kernel, "
-          f"records in {work_dir}", flush=True)
+    print(f"tuning {len(kernels)} suite kernel(s) for {key} ({target}), {args.trials} trials per kernel "
+          f"({min(args.trials, args.copy_trials)} for data movement), records in {work_dir}", flush=True)
     rows = []
     deadline = None if args.time_budget is None else time.time() + args.time_budget
     for i, kernel in enumerate(kernels):
@@ -83,7 +83,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         mod = suite_ir_module([kernel], args.scale)
         budget = None if deadline is None else max(0.0, deadline - time.time())
         for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed,
-                      runner=runner, time_budget=budget):
+                      runner=runner, time_budget=budget, copy_trials=args.copy_trials):
             rows.append((kernel.name, r.name, r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
     skipped = sum(r[-1] == SKIPPED for r in rows)
     if skipped:
@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
             "a table at the end."),
     )
     tu.add_argument("--trials", type=int, default=200, help="measured candidates per kernel (default 200)")
+    tu.add_argument("--copy-trials", type=int, default=32,
+                    help="at most this many for kernels that only move data (slices, reshapes, "
+                         "concatenations; no arithmetic), whose schedule space is small (default 32)")
     tu.add_argument("--kernels", help=kernels_help)
     tu.add_argument("--target", default="local", help=target_help)
     tu.add_argument("--work-dir", help="database of all records (default tuning_work/<target key>)")
