@@ -168,3 +168,17 @@ def test_data_movement_kernels_get_copy_trials(tmp_path):
         bb.emit_func_output(bb.emit(relax.op.strided_slice(x, axes=[1], begin=[32], end=[96])))
     results = tune(bb.get(), cpu_target(), trials=12, work_dir=str(tmp_path), copy_trials=3)
     assert len(results) == 1 and results[0].status == "tuned" and 0 < results[0].trials <= 3, results
+
+
+def test_hand_scheduled_kernels_are_skipped(tmp_path, capsys):
+    """Max-pool's routing kernel is TIR with vector loops: no design space, and MetaSchedule's
+    postprocessors would break its build; it is skipped with a reason, the reshape beside it is tuned."""
+    from rlx_tvm.schedules.tune import HAND_SCHEDULED
+
+    case = Case("max_pool2d_backward", {"x": RNG.standard_normal((1, 2, 8, 8)), "dy": RNG.standard_normal((1, 2, 4, 4))},
+                {"kernel_size": (2, 2), "stride": (2, 2)})
+    results = tune(build_module([case], "float32", symbolic=False), cpu_target(), trials=2, work_dir=str(tmp_path))
+    statuses = {r.name: r.status for r in results}
+    assert statuses.pop("rlx_max_pool2d_backward") == HAND_SCHEDULED, results
+    assert statuses and all(s == "tuned" for s in statuses.values()), results
+    assert "scheduled by hand" in capsys.readouterr().out

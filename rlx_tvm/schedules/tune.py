@@ -125,7 +125,7 @@ class TaskResult:
     name: str
     trials: int  # records in the database for this task after tuning
     best_us: float | None  # best measured latency, microseconds
-    status: str  # "tuned", "resumed" (already complete), SKIPPED, or "failed: <reason>"
+    status: str  # "tuned", "resumed" (already complete), SKIPPED, HAND_SCHEDULED or "failed: <reason>"
 
 
 def _records(db: ms.database.Database, mod: tvm.IRModule):
@@ -143,6 +143,7 @@ def _best_us(records) -> float | None:
 
 
 SKIPPED = "skipped: time budget spent"  # the status of a task not started for lack of time
+HAND_SCHEDULED = "skipped: scheduled by hand (vector loops in its TIR)"
 
 
 def tune(
@@ -163,7 +164,8 @@ def tune(
     Candidates are measured locally, or by ``runner`` (e.g. :func:`rpc_runner`: remote devices
     through TVM's RPC tracker). With ``time_budget`` (seconds), no task starts once it is spent
     (a started one finishes): the rest are reported as skipped and a later call resumes them from
-    the database. Kernels that only move data (no arithmetic: the slices, reshapes and
+    the database. Kernels written with vector loops already are skipped (nothing to search).
+    Kernels that only move data (no arithmetic: the slices, reshapes and
     concatenations around blocked attention) get at most ``copy_trials`` (``None``: ``trials``),
     since their schedule space is a loop order and a vector width. Prints one line per task."""
     from ..build import lower
@@ -186,6 +188,11 @@ def tune(
     deadline = None if time_budget is None else time.time() + time_budget
     for i, task in enumerate(tasks):
         task_mod = task.dispatched[0]
+        if _hand_scheduled(task_mod):
+            results.append(TaskResult(task.task_name, 0, None, HAND_SCHEDULED))
+            if verbose:
+                print(f"[{i + 1}/{len(tasks)}] {task.task_name}: {HAND_SCHEDULED}", flush=True)
+            continue
         task_trials = trials if copy_trials is None or not _moves_data_only(task_mod) else min(trials, copy_trials)
         done = _records(db, task_mod)
         label = f"[{i + 1}/{len(tasks)}] {task.task_name}"
@@ -218,12 +225,29 @@ def tune(
         done = _records(db, task_mod)
         best = _best_us(done)
         if status.startswith("tuned") and done and best is None:
-            status += ", nothing measured (no device here? measure through --rpc)"
+            status += (", nothing measured (no device here? measure through --rpc)" if "gpu" in target.keys
+                       else f", nothing measured: every candidate failed to build or run (see {work_dir}/logs)")
         results.append(TaskResult(task.task_name, len(done), best, status))
         if verbose:
             print(f"{label}: {status}, {len(done)} records, best {_fmt(best)} "
                   f"({time.time() - start:.0f} s)", flush=True)
     return results
+
+
+def _hand_scheduled(mod: tvm.IRModule) -> bool:
+    """A kernel written with vectorized loops already (max-pool's routing, cumsum's scan): not a
+    design space to search, and MetaSchedule's postprocessors break it (they vectorize inside the
+    vector loops: "VectorizeLoop before LiftStorageAlloc" at build)."""
+    found = []
+
+    def visit(loop):
+        if loop.kind == tvm.tirx.ForKind.VECTORIZED:
+            found.append(loop)
+
+    for func in mod.functions.values():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            tvm_ffi.structural_walk(func.body, (tvm.tirx.For, visit), order="post")
+    return bool(found)
 
 
 def _moves_data_only(mod: tvm.IRModule) -> bool:
