@@ -193,7 +193,7 @@ def tune(
             if verbose:
                 print(f"[{i + 1}/{len(tasks)}] {task.task_name}: {HAND_SCHEDULED}", flush=True)
             continue
-        task_trials = trials if copy_trials is None or not _moves_data_only(task_mod) else min(trials, copy_trials)
+        task_trials = _trials_for(task_mod, trials, copy_trials)
         done = _records(db, task_mod)
         label = f"[{i + 1}/{len(tasks)}] {task.task_name}"
         if len(done) >= task_trials or (deadline is not None and time.time() >= deadline):
@@ -248,6 +248,10 @@ def _hand_scheduled(mod: tvm.IRModule) -> bool:
         if isinstance(func, tvm.tirx.PrimFunc):
             tvm_ffi.structural_walk(func.body, (tvm.tirx.For, visit), order="post")
     return bool(found)
+
+
+def _trials_for(mod: tvm.IRModule, trials: int, copy_trials: int | None) -> int:
+    return trials if copy_trials is None or not _moves_data_only(mod) else min(trials, copy_trials)
 
 
 def _moves_data_only(mod: tvm.IRModule) -> bool:
