@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 
@@ -91,13 +90,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
     exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all,
                           kernels=[suite_ir_module(scale=scale) for scale in ("full", "small")])
+    task_head = ["suite kernel", "task", "records", "best us", "status"]
+    export_head = ["kernel stages", "tuned us", "default us", "in the log"]
+    export_rows = [(r.kernel, _us(r.tuned_us), _us(r.default_us),
+                    "yes" if r.kept else "no: stale (kernel changed)" if r.stale else "no: default as fast (within 5%)")
+                   for r in exported]
     print()
-    _table(["suite kernel", "task", "records", "best us", "status"], rows)
+    _table(task_head, rows)
     print()
-    _table(["kernel stages", "tuned us", "default us", "in the log"],
-           [(r.kernel, _us(r.tuned_us), _us(r.default_us),
-             "yes" if r.kept else "no: stale (kernel changed)" if r.stale else "no: default as fast (within 5%)")
-            for r in exported])
+    _table(export_head, export_rows)
+    _write_tuning_record(os.path.join(log_dir, "TUNING.md"), key, target, args, task_head, rows, export_head,
+                         export_rows)
     print(f"\n{sum(r.kept for r in exported)} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1
 
@@ -143,6 +146,31 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
+
+
+def _write_tuning_record(path, key, target, args, task_head, task_rows, export_head, export_rows) -> None:
+    """The budget and outcome of the run that wrote a tuning log, next to it: per task the records
+    in the work database (every trial of every run that tuned it), and per kernel whether the log
+    keeps its best record."""
+    import datetime
+
+    def md(head, rows):
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return lines + ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
+
+    lines = [f"# Tuning log for {key}", "",
+             f"Written by `rlx-tvm tune` on {datetime.date.today().isoformat()}, target `{target}`: "
+             f"up to {args.trials} measured "
+             f"candidates per kernel ({min(args.trials, args.copy_trials)} for kernels that only move data; "
+             "kernels with a hand-written schedule are not searched), MetaSchedule evolutionary search with the "
+             f"XGBoost cost model, seed {args.seed}. Records: those in the work database for the task (every "
+             "run that tuned it; fewer than asked where the search ran out of distinct candidates).", "",
+             *md(task_head, task_rows), "",
+             "Each kernel's best record, kept without comparing it with the default schedule (--keep-all):"
+             if args.keep_all else "Each kernel's best record, re-measured against its default schedule at export "
+             "(kept only when at least 5% faster):", "", *md(export_head, export_rows), ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
 
 
 def _table(head, rows) -> None:

@@ -247,6 +247,11 @@ def test_cli_tune_writes_a_pruned_log(cli_tuned, capsys):
     full = build.load_tuning_log(str(work)).get_all_tuning_records()
     best = build.load_tuning_log(str(log)).get_all_tuning_records()
     assert len(full) > len(best) == 2  # rms_norm_backward: the dx and dgamma kernels, one record each
+    record = (log / "TUNING.md").read_text()  # the budget and outcome, next to the log
+    assert "up to 8 measured candidates per kernel" in record
+    task_rows = [line for line in record.splitlines() if line.startswith("| rms_norm_backward |")]
+    assert len(task_rows) == 2 and all("| tuned |" in row for row in task_rows), record
+    assert record.count("| yes |") == 2, record
 
 
 def test_cli_tune_stops_at_its_time_budget(tmp_path, capsys):
