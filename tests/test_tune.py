@@ -148,7 +148,7 @@ def test_data_movement_kernels_get_copy_trials():
     from tvm import te
     from tvm.script import tirx as T
 
-    from rlx_tvm.schedules.tune import _trials_for
+    from rlx_tvm.schedules.tune import _hand_scheduled, _trials_for
 
     a = te.placeholder((64, 128), name="a")
     sliced = tvm.IRModule({"main": te.create_prim_func([a, te.compute((64, 64), lambda i, j: a[i, j + 32])])})
@@ -162,6 +162,9 @@ def test_data_movement_kernels_get_copy_trials():
     assert _trials_for(sliced, 200, None) == 200
     assert _trials_for(scaled, 200, 32) == 200
     assert _trials_for(tvm.IRModule({"main": shuffled}), 200, 32) == 200
+    # vector expressions written by hand (the cumsum scan) mark a kernel as scheduled by hand; TE's do not
+    assert _hand_scheduled(tvm.IRModule({"main": shuffled}))
+    assert not _hand_scheduled(scaled) and not _hand_scheduled(sliced)
 
 
 def test_hand_scheduled_kernels_are_skipped(tmp_path, capsys):

@@ -235,18 +235,20 @@ def tune(
 
 
 def _hand_scheduled(mod: tvm.IRModule) -> bool:
-    """A kernel written with vectorized loops already (max-pool's routing, cumsum's scan): not a
-    design space to search, and MetaSchedule's postprocessors break it (they vectorize inside the
-    vector loops: "VectorizeLoop before LiftStorageAlloc" at build)."""
+    """A kernel written with vector loops or vector expressions already (max-pool's routing, the
+    gather scatter, cumsum's scan): not a design space to search, and MetaSchedule's
+    postprocessors break it (they vectorize inside the vector loops: "VectorizeLoop before
+    LiftStorageAlloc" at build)."""
     found = []
 
-    def visit(loop):
+    def vector_loop(loop):
         if loop.kind == tvm.tirx.ForKind.VECTORIZED:
             found.append(loop)
 
     for func in mod.functions.values():
         if isinstance(func, tvm.tirx.PrimFunc):
-            tvm_ffi.structural_walk(func.body, (tvm.tirx.For, visit), order="post")
+            tvm_ffi.structural_walk(func.body, [(tvm.tirx.For, vector_loop),
+                                                ((tvm.tirx.Ramp, tvm.tirx.Shuffle), found.append)])
     return bool(found)
 
 
