@@ -157,6 +157,7 @@ def tune(
     runner: ms.runner.Runner | None = None,
     time_budget: float | None = None,
     copy_trials: int | None = 32,
+    run_timeout: float = 10.0,
 ) -> list[TaskResult]:
     """Tune every kernel of ``mod`` with ``trials`` measured candidates each, recording into
     ``work_dir``'s JSON database. ``mod`` is a Relax module (rlx ops allowed), or ``"suite"`` or a
@@ -167,7 +168,10 @@ def tune(
     the database. Kernels written with vector loops already are skipped (nothing to search).
     Kernels that only move data (no arithmetic: the slices, reshapes and
     concatenations around blocked attention) get at most ``copy_trials`` (``None``: ``trials``),
-    since their schedule space is a loop order and a vector width. Prints one line per task."""
+    since their schedule space is a loop order and a vector width. A local candidate still
+    running after ``run_timeout`` seconds is recorded as failed (MetaSchedule's default, 30 s,
+    let a third of the softmax-CE candidates cost 30 s each, where the default schedule takes 6
+    ms). Prints one line per task."""
     from ..build import lower
     from .suite import SuiteKernel, suite_ir_module
 
@@ -183,7 +187,7 @@ def tune(
     db = ms.database.JSONDatabase(work_dir=work_dir)
     # Builds and runs alternate (a batch is built, then measured), so builds can use every core.
     builder = ms.builder.LocalBuilder(f_build=build_candidate, max_workers=os.cpu_count() or 1, timeout_sec=60)
-    runner = runner or ms.runner.LocalRunner(evaluator_config=_evaluator())
+    runner = runner or ms.runner.LocalRunner(timeout_sec=run_timeout, evaluator_config=_evaluator())
     results = []
     deadline = None if time_budget is None else time.time() + time_budget
     for i, task in enumerate(tasks):
