@@ -93,7 +93,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     task_head = ["suite kernel", "task", "records", "best us", "status"]
     export_head = ["kernel stages", "tuned us", "default us", "in the log"]
     export_rows = [(r.kernel, _us(r.tuned_us), _us(r.default_us),
-                    "yes" if r.kept else "no: stale (kernel changed)" if r.stale else "no: default as fast (within 5%)")
+                    "yes" if r.kept else "no: stale (kernel changed)" if r.stale else "no: not 5% faster than the default")
                    for r in exported]
     print()
     _table(task_head, rows)
@@ -164,7 +164,10 @@ def _write_tuning_record(path, key, target, args, task_head, task_rows, export_h
              f"candidates per kernel ({min(args.trials, args.copy_trials)} for kernels that only move data; "
              "kernels with a hand-written schedule are not searched), MetaSchedule evolutionary search with the "
              f"XGBoost cost model, seed {args.seed}. Records: those in the work database for the task (every "
-             "run that tuned it; fewer than asked where the search ran out of distinct candidates).", "",
+             "run that tuned it; fewer than asked where the search ran out of distinct candidates)."
+             + ("" if args.time_budget is None else
+                f" This run's time budget: {args.time_budget:g} s; a task it did not start says so, and its "
+                "records come from earlier runs."), "",
              *md(task_head, task_rows), "",
              "Each kernel's best record, kept without comparing it with the default schedule (--keep-all):"
              if args.keep_all else "Each kernel's best record, re-measured against its default schedule at export "

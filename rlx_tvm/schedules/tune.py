@@ -284,7 +284,10 @@ def _kernel_label(mod: tvm.IRModule) -> str:
     from .common import root_blocks
 
     sch = tvm.s_tir.Schedule(mod)
-    return "/".join(sch.get(b).name_hint for b in root_blocks(sch)) or "main"  # hand-written TIR: no blocks
+    names = [sch.get(b).name_hint for b in root_blocks(sch)]
+    if len("/".join(names)) > 80:  # e.g. blocked attention's concatenation of 40 slices
+        names = [*names[:2], f"... {len(names) - 3} more ...", names[-1]]
+    return "/".join(names) or "main"  # hand-written TIR: no blocks
 
 
 def _time_us(mods: list[tvm.IRModule], target: tvm.target.Target, rounds: int = 5) -> list[float]:
