@@ -179,3 +179,20 @@ def test_hand_scheduled_kernels_are_skipped(tmp_path, capsys):
     assert statuses.pop("rlx_max_pool2d_backward") == HAND_SCHEDULED, results
     assert statuses and all(s == "tuned" for s in statuses.values()), results
     assert "scheduled by hand" in capsys.readouterr().out
+
+
+def test_long_stage_lists_are_labelled_by_their_ends():
+    from tvm import te
+
+    from rlx_tvm.schedules.tune import _kernel_label
+
+    def next_stage(prev, i):
+        return te.compute((16,), lambda j: prev[j] + 1.0, name=f"stage_number_{i}")
+
+    stages = [te.placeholder((16,), name="a")]
+    for i in range(12):
+        stages.append(next_stage(stages[-1], i))
+    label = _kernel_label(tvm.IRModule({"main": te.create_prim_func([stages[0], stages[-1]])}))
+    assert label == "stage_number_0/stage_number_1/... 9 more .../stage_number_11", label
+    short = _kernel_label(tvm.IRModule({"main": te.create_prim_func([stages[0], stages[2]])}))
+    assert short == "stage_number_0/stage_number_1", short
