@@ -60,7 +60,7 @@ def _kernel_names(arg: str | None) -> list[str] | None:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .build import TUNING_LOGS, target_key
     from .schedules.suite import suite_ir_module, suite_kernels
-    from .schedules.tune import SKIPPED, export_log, rpc_runner, tune
+    from .schedules.tune import MIN_SPEEDUP, SKIPPED, export_log, rpc_runner, tune
 
     target = _target(args.target)
     key = target_key(target)
@@ -90,17 +90,18 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
     exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all,
                           kernels=[suite_ir_module(scale=scale) for scale in ("full", "small")])
+    faster = f"{(MIN_SPEEDUP - 1) * 100:g}% faster"  # what export_log asks of a record to keep it
     task_head = ["suite kernel", "task", "records", "best us", "status"]
     export_head = ["kernel stages", "tuned us", "default us", "in the log"]
     export_rows = [(r.kernel, _us(r.tuned_us), _us(r.default_us),
-                    "yes" if r.kept else "no: stale (kernel changed)" if r.stale else "no: not 5% faster than the default")
+                    "yes" if r.kept else "no: stale (kernel changed)" if r.stale else f"no: not {faster} than the default")
                    for r in exported]
     print()
     _table(task_head, rows)
     print()
     _table(export_head, export_rows)
-    _write_tuning_record(os.path.join(log_dir, "TUNING.md"), key, target, args, task_head, rows, export_head,
-                         export_rows)
+    _write_tuning_record(os.path.join(log_dir, "TUNING.md"), key, target, args, faster, task_head, rows,
+                         export_head, export_rows)
     print(f"\n{sum(r.kept for r in exported)} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1
 
@@ -148,7 +149,7 @@ def _us(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def _write_tuning_record(path, key, target, args, task_head, task_rows, export_head, export_rows) -> None:
+def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, export_head, export_rows) -> None:
     """The budget and outcome of the run that wrote a tuning log, next to it: per task the records
     in the work database (every trial of every run that tuned it), and per kernel whether the log
     keeps its best record."""
@@ -171,7 +172,7 @@ def _write_tuning_record(path, key, target, args, task_head, task_rows, export_h
              *md(task_head, task_rows), "",
              "Each kernel's best record, kept without comparing it with the default schedule (--keep-all):"
              if args.keep_all else "Each kernel's best record, re-measured against its default schedule at export "
-             "(kept only when at least 5% faster):", "", *md(export_head, export_rows), ""]
+             f"(kept only when at least {faster}):", "", *md(export_head, export_rows), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
