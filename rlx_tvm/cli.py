@@ -60,7 +60,7 @@ def _kernel_names(arg: str | None) -> list[str] | None:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .build import TUNING_LOGS, target_key
     from .schedules.suite import suite_ir_module, suite_kernels
-    from .schedules.tune import MIN_SPEEDUP, SKIPPED, export_log, rpc_runner, tune
+    from .schedules.tune import MIN_SPEEDUP, SKIPPED, export_log, rpc_runner, short_task_name, tune
 
     target = _target(args.target)
     key = target_key(target)
@@ -83,7 +83,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         budget = None if deadline is None else max(0.0, deadline - time.time())
         for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed,
                       runner=runner, time_budget=budget, copy_trials=args.copy_trials):
-            rows.append((kernel.name, r.name, r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
+            rows.append((kernel.name, short_task_name(r.name), r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
     skipped = sum(r[-1] == SKIPPED for r in rows)
     if skipped:
         print(f"{skipped} task(s) skipped: the time budget is spent; run the command again to resume", flush=True)

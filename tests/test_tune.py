@@ -196,3 +196,13 @@ def test_long_stage_lists_are_labelled_by_their_ends():
     assert label == "stage_number_0/stage_number_1/... 9 more .../stage_number_11", label
     short = _kernel_label(tvm.IRModule({"main": te.create_prim_func([stages[0], stages[2]])}))
     assert short == "stage_number_0/stage_number_1", short
+
+
+def test_long_task_names_are_shortened_for_tables():
+    """Fused task names list every fused operator; tables keep the start and the length."""
+    from rlx_tvm.schedules.tune import short_task_name
+
+    name = "fused_" + "_".join(["concatenate"] * 30)
+    short = short_task_name(name)
+    assert len(short) <= 64 and short.startswith("fused_concatenate_") and f"({len(name)} chars)" in short, short
+    assert short_task_name("rlx_layer_norm_backward_input_gamma_beta") == "rlx_layer_norm_backward_input_gamma_beta"

@@ -143,7 +143,7 @@ def _best_us(records) -> float | None:
 
 
 SKIPPED = "skipped: time budget spent"  # the status of a task not started for lack of time
-HAND_SCHEDULED = "skipped: scheduled by hand (vector loops in its TIR)"
+HAND_SCHEDULED = "skipped: scheduled by hand (vector code in its TIR)"
 
 
 def tune(
@@ -288,6 +288,13 @@ def _kernel_label(mod: tvm.IRModule) -> str:
     if len("/".join(names)) > 80:  # e.g. blocked attention's concatenation of 40 slices
         names = [*names[:2], f"... {len(names) - 3} more ...", names[-1]]
     return "/".join(names) or "main"  # hand-written TIR: no blocks
+
+
+def short_task_name(name: str, width: int = 64) -> str:
+    """A task name for tables: fused kernels are named after every operator they fuse (blocked
+    attention's concatenation of 21 outputs runs to 400 characters), so long names keep their
+    start and say how long they were."""
+    return name if len(name) <= width else f"{name[:width - 20]}... ({len(name)} chars)"
 
 
 def _time_us(mods: list[tvm.IRModule], target: tvm.target.Target, rounds: int = 5) -> list[float]:
