@@ -15,9 +15,7 @@ from rlx_tvm.passes import DecomposeBackwardOps
 from rlx_tvm.schedules.gpu import gpu_limits, schedule_gpu
 from rlx_tvm.schedules.suite import SUITE, suite_ir_module, suite_kernel, suite_module
 
-# The fused gather (embedding) backward is a scatter with data-dependent writes, which TensorIR's
-# thread binding rejects: it is the one suite kernel without a GPU schedule (see test below).
-GPU_SUITE = [k for k in SUITE if k.name != "gather_backward"]
+GPU_SUITE = list(SUITE)
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
 METAL = tvm.target.Target("apple/m2-gpu", host={"kind": "llvm", "mtriple": "arm64-apple-macos"})
 VULKAN = tvm.target.Target({"kind": "vulkan"}, host="llvm")
@@ -124,10 +122,42 @@ def test_vulkan_spirv_emission():
     assert _device_source(ex, "vulkan") is not None
 
 
-def test_gather_backward_has_no_gpu_schedule_and_says_so():
-    mod = lower(suite_module(suite_kernel("gather_backward"), "small"), CUDA, schedule=False, tuning_log=None)
-    with pytest.raises(NotImplementedError, match="rlx_gather_backward on cuda.*scatter"):
-        schedule_gpu(mod, CUDA)
+def test_gather_backward_gpu_kernels_bind_threads():
+    """The fused gather backward's GPU form is a reduction block per block of output rows, which a
+    rule binds to threads; the decomposed one's scatter_elements is TVM's own GPU kernel (written
+    with thread bindings), kept as it is."""
+    fused = lower(suite_module(suite_kernel("gather_backward"), "small"), CUDA, schedule=False, tuning_log=None)
+    scheduled, chosen = schedule_gpu(fused, CUDA)
+    assert chosen["rlx_gather_backward"] in ("Fallback", "ThreadPerOutput"), chosen
+    script = scheduled["rlx_gather_backward"].script()
+    assert 'T.thread_binding' in script and '"threadIdx.x"' in script
+    decomposed = lower(DecomposeBackwardOps()(suite_module(suite_kernel("gather_backward"), "small")), CUDA,
+                       schedule=False, tuning_log=None)
+    _, chosen = schedule_gpu(decomposed, CUDA)
+    assert chosen["scatter_elements"] == "bound by TVM's legalization", chosen
+
+
+def test_kernel_without_a_gpu_schedule_says_so():
+    """A scatter-add whose index loop is a reduction iterator but whose rows are zeroed by a
+    separate block (the gather backward's GPU form until 2026-12-06) is neither a complete nor a
+    reduction block: no rule binds it, and the error names the kernel."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True, s_tir=True)
+    def scatter(dy: T.Buffer((8, 4), "float32"), idx: T.Buffer((8,), "int64"), out: T.Buffer((10, 4), "float32")):
+        for d, i in T.grid(10, 4):
+            with T.sblock("init"):
+                vd, vi = T.axis.remap("SS", [d, i])
+                out[vd, vi] = T.float32(0)
+        for j, i in T.grid(8, 4):
+            with T.sblock("accumulate"):
+                vj, vi = T.axis.remap("RS", [j, i])
+                T.reads(idx[vj], dy[vj, vi], out[0:10, vi])
+                T.writes(out[0:10, vi])
+                out[idx[vj], vi] = out[idx[vj], vi] + dy[vj, vi]
+
+    with pytest.raises(NotImplementedError, match="no GPU schedule for kernel scatter_add on cuda"):
+        schedule_gpu(tvm.IRModule({"scatter_add": scatter}), CUDA)
 
 
 # --------------------------------------------------------------------------------------------

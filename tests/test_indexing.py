@@ -108,6 +108,40 @@ def test_gpu_form_of_cumsum_matches_reference(dtype, symbolic):
     check_cases(cases, dtype, symbolic, "fused", legalize_for="cuda")
 
 
+@pytest.mark.parametrize("dtype,symbolic", [("float64", False), ("float32", False), ("float64", True)])
+def test_gpu_form_of_gather_matches_reference(dtype, symbolic):
+    """GPU targets legalize gather_backward to the row-blocked reduction (one owner per block of
+    output rows and feature: thread-bindable, race-free); the CPU gets the chunked scatter. That
+    TIR, built for the CPU here, on every gather case."""
+    cases = [c for c in CASES if c.op == "gather_backward"]
+    mod = build_module(cases[:1], dtype, False)
+    with tvm.target.Target("cuda"):
+        gpu = relax.transform.LegalizeOps()(mod)
+    assert "T.init()" in gpu.script()  # the reduction-block form, not the chunked scatter
+    check_cases(cases, dtype, symbolic, "fused", legalize_for="cuda")
+
+
+def test_gpu_form_of_gather_blocks_rows_and_skips_bad_indices():
+    """Blocks of several rows with a short last block (1000 rows in blocks of 24), two outer
+    slices, duplicates, negative and out-of-range indices, in the GPU form built for the CPU."""
+    from rlx_tvm.ops.indexing import scatter_add_kernel
+
+    rng = np.random.default_rng(3)
+    outer, n_idx, inner, dim = 2, 300, 768, 1000
+    func = scatter_add_kernel("float32", "float32", "int64", outer, n_idx, inner, dim, chunked=False)
+    assert "T.min(vb * T.int64(24) + T.int64(24), T.int64(1000))" in func.script()  # 42 blocks, the last short
+    lib = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    dy = rng.standard_normal((outer, n_idx, inner)).astype("float32")
+    idx = rng.integers(-dim - 5, dim + 5, n_idx)
+    idx[:20] = 999  # a busy row in the short block
+    out = tvm.runtime.empty((outer, dim, inner), "float32")
+    lib(tvm.runtime.tensor(dy), tvm.runtime.tensor(idx), out)
+    expected = np.zeros((outer, dim, inner))
+    keep = (idx >= -dim) & (idx < dim)
+    np.add.at(expected, (slice(None), idx[keep] % dim, slice(None)), dy[:, keep].astype(np.float64))
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
 # -- SPEC §8 traps ------------------------------------------------------------------------------
 
 

@@ -408,26 +408,41 @@ def _fresh(dim, name):
 FEATURE_CHUNK = 64
 
 
+# Threads the GPU form aims for (one per block of output rows and feature column): enough to fill
+# a GPU; each more compares every index once more.
+GPU_THREADS_WANTED = 1 << 16
+
+
 def scatter_add_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner, dim_size: int,
                        chunked: bool = True) -> tirx.PrimFunc:
     """``out[o, wrap(idx[j]), i] += dy[o, j, i]`` over ``[outer, n_idx, inner]`` (``out`` in the
     accumulation dtype ``acc``); indices outside ``[-dim_size, dim_size)`` are skipped. Race-free
-    over the features in both forms:
+    in both forms (no two threads write the same element):
 
     * ``chunked`` (CPU): one block per (outer, chunk of features), which walks all the indices and
       adds each dy row's chunk to its output row as one vector loop; the blocks are spatial, so the
       parallel loop over them is race-free (a chunk has one owner). (In the per-element form the
       index loop is outside the feature loop, and no CPU schedule can parallelize or vectorize
       it: TVM's parallel/vectorize ask for a complete or reduction block, and it has no init.)
-    * per element (GPU): the index loop is the block's reduction iterator and the feature loops
-      are spatial, which threads bind to."""
+    * row-blocked (GPU): the output rows are cut into blocks of ``rows`` rows; block (o, b, i)
+      owns output column ``i`` of rows ``b*rows ..`` and walks all the indices, adding the dy
+      elements whose index falls in its rows. It is a reduction block (its init zeroes what it
+      owns; the index loop is its reduction iterator), so the spatial (o, b, i) loops bind to
+      threads by schedule primitives: ``outer x blocks x inner`` threads, each comparing every
+      index (cheap: the index is the same for every thread of a warp) and adding ``n_idx / blocks``
+      rows on average. (A scatter with the rows written through a separate init block is neither
+      complete nor a reduction block, and thread binding refuses it.)"""
     static_inner = static_int(inner)
     chunk = next((c for c in (FEATURE_CHUNK, 32, 16, 8, 4, 2) if static_inner and static_inner % c == 0), 1)
+    columns = (static_int(outer) or 1) * (static_inner or 256)
+    blocks = max(1, min(dim_size, -(-GPU_THREADS_WANTED // columns)))
+    rows = -(-dim_size // blocks)
+    blocks = -(-dim_size // rows)  # no empty block
     outer, n_idx, inner = _fresh(outer, "outer"), _fresh(n_idx, "n_idx"), _fresh(inner, "inner")
-    dim = _i64(dim_size)
+    dim, rows, blocks = _i64(dim_size), _i64(rows), _i64(blocks)
 
     @T.prim_func(private=True, s_tir=True)
-    def kernel(dy_h: T.handle, idx_h: T.handle, out_h: T.handle):
+    def chunked_kernel(dy_h: T.handle, idx_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         dy = T.match_buffer(dy_h, (outer, n_idx, inner), dtype)
         idx = T.match_buffer(idx_h, (n_idx,), idx_dtype)
@@ -436,29 +451,37 @@ def scatter_add_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner
             with T.sblock("init"):
                 vo, vd, vi = T.axis.remap("SSS", [o, d, i])
                 out[vo, vd, vi] = T.cast(0, acc)
-        if chunked:
-            for o, c in T.grid(outer, inner // chunk):
-                with T.sblock("accumulate"):
-                    vo, vc = T.axis.remap("SS", [o, c])
-                    T.reads(idx[0:n_idx], dy[vo, 0:n_idx, vc * chunk:vc * chunk + chunk])
-                    T.writes(out[vo, 0:dim, vc * chunk:vc * chunk + chunk])
-                    for j in range(n_idx):
-                        row: T.int64 = T.Cast("int64", idx[j]) + T.if_then_else(idx[j] < 0, dim, T.int64(0))
-                        if 0 <= row and row < dim:
-                            for f in T.vectorized(chunk):
-                                out[vo, row, vc * chunk + f] = out[vo, row, vc * chunk + f] + T.Cast(acc, dy[vo, j, vc * chunk + f])
-        else:
-            for o, j, i in T.grid(outer, n_idx, inner):
-                with T.sblock("accumulate"):
-                    vo, vj, vi = T.axis.remap("SRS", [o, j, i])
-                    # The row written depends on the data: declare the whole column as touched.
-                    T.reads(idx[vj], dy[vo, vj, vi], out[vo, 0:dim, vi])
-                    T.writes(out[vo, 0:dim, vi])
-                    row: T.int64 = T.Cast("int64", idx[vj]) + T.if_then_else(idx[vj] < 0, dim, T.int64(0))
+        for o, c in T.grid(outer, inner // chunk):
+            with T.sblock("accumulate"):
+                vo, vc = T.axis.remap("SS", [o, c])
+                T.reads(idx[0:n_idx], dy[vo, 0:n_idx, vc * chunk:vc * chunk + chunk])
+                T.writes(out[vo, 0:dim, vc * chunk:vc * chunk + chunk])
+                for j in range(n_idx):
+                    row: T.int64 = T.Cast("int64", idx[j]) + T.if_then_else(idx[j] < 0, dim, T.int64(0))
                     if 0 <= row and row < dim:
-                        out[vo, row, vi] = out[vo, row, vi] + T.Cast(acc, dy[vo, vj, vi])
+                        for f in T.vectorized(chunk):
+                            out[vo, row, vc * chunk + f] = out[vo, row, vc * chunk + f] + T.Cast(acc, dy[vo, j, vc * chunk + f])
 
-    return kernel
+    @T.prim_func(private=True, s_tir=True)
+    def row_blocked_kernel(dy_h: T.handle, idx_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        dy = T.match_buffer(dy_h, (outer, n_idx, inner), dtype)
+        idx = T.match_buffer(idx_h, (n_idx,), idx_dtype)
+        out = T.match_buffer(out_h, (outer, dim, inner), acc)
+        for o, b, j, i in T.grid(outer, blocks, n_idx, inner):
+            with T.sblock("accumulate"):
+                vo, vb, vj, vi = T.axis.remap("SSRS", [o, b, j, i])
+                T.reads(idx[vj], dy[vo, vj, vi])
+                T.writes(out[vo, vb * rows:T.min(vb * rows + rows, dim), vi])
+                with T.init():
+                    for r in range(rows):
+                        if vb * rows + r < dim:
+                            out[vo, vb * rows + r, vi] = T.cast(0, acc)
+                row: T.int64 = T.Cast("int64", idx[vj]) + T.if_then_else(idx[vj] < 0, dim, T.int64(0))
+                if vb * rows <= row and row < vb * rows + rows and row < dim:
+                    out[vo, row, vi] = out[vo, row, vi] + T.Cast(acc, dy[vo, vj, vi])
+
+    return chunked_kernel if chunked else row_blocked_kernel
 
 
 @gather_backward.fused

@@ -10,8 +10,12 @@ memory). So each kernel is given the first candidate that lowers for the target 
    warp reductions for norms, softmax-CE and column sums --, ``GeneralReduction``, ``Fallback``);
    a rule that raises on a kernel it does not understand is treated as "does not apply";
 2. :class:`ThreadPerOutput`: one thread per output element, reductions serial inside the thread.
-   Always applicable and race-free (the scatter backwards -- gather, pooling -- are written as
-   gathers, so no two threads write the same element).
+   Race-free: the pooling backward is written as a gather, and the gather (embedding) backward's
+   GPU form is a reduction block per block of output rows (``scatter_add_kernel`` in
+   ops/indexing.py), so no two threads write the same element.
+
+Kernels that TVM's own legalization already wrote with thread bindings (``topi.gpu``'s
+scatter_elements, which the decomposed gather backward uses) are kept as they are when they lower.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import importlib
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
@@ -95,6 +100,18 @@ def _lowers_for(func: tirx.PrimFunc, target: Target) -> bool:
         return False
 
 
+def _binds_threads(func: tirx.PrimFunc) -> bool:
+    """Whether ``func`` launches its own threads (``thread_extent`` attributes in its body)."""
+    found = []
+
+    def visit(attr):
+        if attr.attr_key == "thread_extent":
+            found.append(attr)
+
+    tvm_ffi.structural_walk(func.body, (tirx.AttrStmt, visit))
+    return bool(found)
+
+
 def schedule_gpu(mod: tvm.IRModule, target: Target) -> tuple[tvm.IRModule, dict[str, str]]:
     """Schedule every unscheduled PrimFunc of ``mod`` for the GPU ``target``; returns the module
     and, per kernel, the rule that scheduled it."""
@@ -103,6 +120,12 @@ def schedule_gpu(mod: tvm.IRModule, target: Target) -> tuple[tvm.IRModule, dict[
     updates = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or (func.attrs is not None and "tirx.is_scheduled" in func.attrs):
+            continue
+        if _binds_threads(func) and _lowers_for(func, target):
+            # TVM's own GPU kernels written with thread bindings (relax.scatter_elements legalizes
+            # to topi.gpu.scatter_elements on GPU targets: the decomposed gather backward)
+            updates[gv] = func.with_attr("tirx.is_scheduled", True)
+            chosen[gv.name_hint] = "bound by TVM's legalization"
             continue
         for rule in [*_dlight_rules(), ThreadPerOutput()]:
             try:
@@ -120,8 +143,8 @@ def schedule_gpu(mod: tvm.IRModule, target: Target) -> tuple[tvm.IRModule, dict[
         else:
             raise NotImplementedError(
                 f"rlx_tvm: no GPU schedule for kernel {gv.name_hint} on {target.kind.name}: neither dlight's rules "
-                "nor ThreadPerOutput give code that lowers for this target (a scatter with data-dependent writes, "
-                "e.g. the fused gather/embedding backward, cannot be bound to threads by schedule primitives)")
+                "nor ThreadPerOutput give code that lowers for this target (e.g. a scatter whose data-dependent "
+                "writes are neither a complete nor a reduction block: thread binding refuses it)")
     for gv, func in updates.items():
         mod.update_func(gv, func)
     return mod, chosen
