@@ -340,6 +340,8 @@ def test_cli_bench_prints_a_table_and_writes_json(cli_tuned, tmp_path, capsys):
     assert rms["tuned_kernels"] == "2/2" and relu["tuned_kernels"] == "0/1"
     assert set(rms["ms"]) == {"tuned", "default", "tvm"} and all(v > 0 for v in rms["ms"].values())
     assert rms["max_rel_diff"] < 1e-4 and report["copy_gbps"] > 0 and report["settle_ms"] == 5
+    # relu has no record: its tuned build is the default build, reported with the default's timings
+    assert relu["ms"]["tuned"] == relu["ms"]["default"] and rms["ms"]["tuned"] != rms["ms"]["default"]
     # the copy kernel is timed in each kernel's rounds, and each kernel's share is against its own
     low, high = report["copy_gbps_range"]
     assert all(low <= k["copy_gbps"] <= high and k["copy_gbps"] > 0 for k in report["kernels"])
