@@ -70,6 +70,30 @@ def test_cuda_builds_every_suite_kernel(suite_mod, tmp_path):
     assert len(cubin) > 1000
 
 
+def test_few_long_sums_reduce_cooperatively_on_cuda():
+    """At the suite's shapes, kernels whose sums are few and long (dgamma: 768 columns over 8192
+    rows; group norm's 64 channels; conv2d dw) split each sum over a thread block and add the
+    partial sums in shared memory, instead of one thread walking a whole sum; the norms'
+    per-row statistics in the same kernels take a thread block per row. Built with nvcc."""
+    kernels = ["layer_norm_backward", "rms_norm_backward", "group_norm_backward", "conv2d_backward_weight"]
+    mod = lower(suite_ir_module([suite_kernel(k) for k in kernels], "full"), CUDA, schedule=False, tuning_log=None)
+    _, chosen = schedule_gpu(mod, CUDA)
+    cooperative = ["rlx_layer_norm_backward_gamma", "rlx_rms_norm_backward_gamma", "rlx_group_norm_backward_gamma",
+                   "rlx_conv2d_backward_weight"]
+    assert all(chosen[name] == "StagedReduction" for name in cooperative), chosen
+    src = _device_source(rlx_tvm.compile(mod, CUDA, tuning_log=None), "cuda")
+    bodies = _kernels(src, r'extern "C" __global__')
+    for name in cooperative:
+        mine = "".join(b for k, b in bodies.items() if k.startswith(name + "_kernel"))
+        if name == "rlx_group_norm_backward_gamma":  # [N, C, H, W]: each channel's sum runs along rows of H x W
+            assert "__shfl" in mine or "__shared__" in mine, name
+        else:  # sums down columns: warps side by side along the columns, partial sums across threadIdx.y
+            assert "__shared__" in mine and "threadIdx.y" in mine, name
+    if shutil.which("nvcc") is not None:
+        with CUDA:
+            assert len(tvm.support.nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")) > 1000
+
+
 def test_decomposed_suite_schedules_and_builds_for_cuda(suite_mod):
     lowered = lower(DecomposeBackwardOps()(suite_mod), CUDA, tuning_log=None)
     funcs = _prim_funcs(lowered)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.sym import detect_linear_equation
 
 # A block annotation that keeps a stage materialized: MetaSchedule's AutoInline honours it, and
 # so do the default rules (a stage whose inlining would recompute it many times, e.g. attention's
@@ -58,3 +59,37 @@ def root_blocks(sch: s_tir.Schedule) -> list:
         return list(sch.get_child_blocks(sch.get_sblock("root")))
     except s_tir.ScheduleError:
         return []
+
+
+def uses(expr, var) -> bool:
+    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
+
+
+def is_column_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
+    """A reduction whose inputs are contiguous along its innermost output axis (the column): some
+    read's innermost index uses the column, and every read that is contiguous along a reduced axis
+    instead is a per-row broadcast (e.g. a norm's mean[row]) that does not depend on the column."""
+    stmt = sch.get(block)
+    iters = [iv.var for iv in stmt.iter_vars]
+    if n_spatial == len(iters):
+        return False
+    column, reduced = iters[n_spatial - 1], iters[n_spatial:]
+    contiguous_along_column = False
+    for read in stmt.reads:
+        if not read.region:
+            continue
+        inner = read.region[-1].min
+        if uses(inner, column):
+            if any(uses(inner, v) for v in reduced) and not is_shifted(inner, column):
+                return False  # e.g. cumsum's in-block dy[i, i // b * b + k]: a gather, not a column
+            contiguous_along_column = True  # x[..., j] or a sliding window x[..., j + k]
+        elif any(uses(inner, v) for v in reduced) and any(uses(r.min, column) for r in read.region):
+            return False  # e.g. group norm's x[n, c, hw]: a row reduction over hw
+    return contiguous_along_column
+
+
+def is_shifted(index, column) -> bool:
+    """``index`` is ``column + f(other vars)``: contiguous along the column for every fixed value
+    of the others (a convolution's sliding window ``x + j``)."""
+    coeffs = detect_linear_equation(index, [column])
+    return len(coeffs) == 2 and isinstance(coeffs[0], tirx.IntImm) and coeffs[0].value == 1 and not uses(coeffs[1], column)

@@ -15,12 +15,12 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
-from tvm.sym import Analyzer, detect_linear_equation
+from tvm.sym import Analyzer
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
 from ..ops.registry import static_int
-from .common import inlined_blocks
+from .common import inlined_blocks, is_column_reduction, uses
 from .prefetch import ANNOTATION as PREFETCH_NEXT_ROW
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
@@ -302,7 +302,7 @@ class ParallelFallback(CPUScheduleRule):
             return
         lead = list(loops[:n_lead])
         if kinds.strip("R") == "S" * n_lead:  # S...S R...R: a reduction
-            if _is_column_reduction(sch, block, n_lead):
+            if is_column_reduction(sch, block, n_lead):
                 return self._schedule_column_reduction(sch, block, lead, list(loops[n_lead:]), lanes)
             width = self._window_width(sch, info, lanes)
             if width is not None:
@@ -482,11 +482,11 @@ def _fuse_contiguous_tail(sch: s_tir.Schedule, block, loops: list, lanes: int) -
         return loops
     for access in (*stmt.reads, *stmt.writes):
         region, shape = access.region, access.source.shape
-        if not any(_uses(r.min, iv.var) for r in region for iv in ivs):
+        if not any(uses(r.min, iv.var) for r in region for iv in ivs):
             continue  # a value per row (statistics, gamma): the same along the fused loop
         if len(region) < 2 or static_int(shape[-1]) != extents[1] or any(
                 not r.min.same_as(iv.var) or static_int(r.extent) != 1 for r, iv in zip(region[-2:], ivs)) \
-                or any(_uses(r.min, iv.var) for r in region[:-2] for iv in ivs):
+                or any(uses(r.min, iv.var) for r in region[:-2] for iv in ivs):
             return loops
     return [*loops[:-2], sch.fuse(*loops[-2:])]
 
@@ -502,33 +502,6 @@ def _vector_width(extent: int | None, lanes: int) -> int | None:
 def _iter_extent(it) -> int | None:
     """A dlight iter's static extent (it gives an int when static)."""
     return it.dom if isinstance(it.dom, int) else None
-
-
-def _uses(expr, var) -> bool:
-    return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
-
-
-def _is_column_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
-    """A reduction whose inputs are contiguous along its innermost output axis (the column): some
-    read's innermost index uses the column, and every read that is contiguous along a reduced axis
-    instead is a per-row broadcast (e.g. a norm's mean[row]) that does not depend on the column."""
-    stmt = sch.get(block)
-    iters = [iv.var for iv in stmt.iter_vars]
-    if n_spatial == len(iters):
-        return False
-    column, reduced = iters[n_spatial - 1], iters[n_spatial:]
-    contiguous_along_column = False
-    for read in stmt.reads:
-        if not read.region:
-            continue
-        inner = read.region[-1].min
-        if _uses(inner, column):
-            if any(_uses(inner, v) for v in reduced) and not _is_shifted(inner, column):
-                return False  # e.g. cumsum's in-block dy[i, i // b * b + k]: a gather, not a column
-            contiguous_along_column = True  # x[..., j] or a sliding window x[..., j + k]
-        elif any(_uses(inner, v) for v in reduced) and any(_uses(r.min, column) for r in read.region):
-            return False  # e.g. group norm's x[n, c, hw]: a row reduction over hw
-    return contiguous_along_column
 
 
 SMALL_WINDOW = 32  # taps of a window reduction (pooling) scheduled as vectors along its outputs
@@ -589,28 +562,21 @@ def _reused_row_axis(sch: s_tir.Schedule, block, n_spatial: int, tile: int) -> i
     stmt = sch.get(block)
     iters = [iv.var for iv in stmt.iter_vars]
     column = iters[n_spatial - 1]
-    along_columns = [r for r in stmt.reads if r.region and _uses(r.region[-1].min, column)]
+    along_columns = [r for r in stmt.reads if r.region and uses(r.region[-1].min, column)]
     for axis in reversed(range(n_spatial - 1)):
         extent = static_int(stmt.iter_vars[axis].dom.extent)
         if extent is None or extent % tile or extent == tile:
             continue
-        if any(not any(_uses(rg.min, iters[axis]) for rg in r.region) for r in along_columns):
+        if any(not any(uses(rg.min, iters[axis]) for rg in r.region) for r in along_columns):
             return axis
     return None
-
-
-def _is_shifted(index, column) -> bool:
-    """``index`` is ``column + f(other vars)``: contiguous along the column for every fixed value
-    of the others (a convolution's sliding window ``x + j``)."""
-    coeffs = detect_linear_equation(index, [column])
-    return len(coeffs) == 2 and isinstance(coeffs[0], tirx.IntImm) and coeffs[0].value == 1 and not _uses(coeffs[1], column)
 
 
 def _is_row_reduction(sch: s_tir.Schedule, block, n_spatial: int) -> bool:
     """A reduction whose innermost reduced axis is the innermost index of one of its reads."""
     stmt = sch.get(block)
     last = stmt.iter_vars[-1].var
-    return n_spatial < len(stmt.iter_vars) and any(r.region and _uses(r.region[-1].min, last) for r in stmt.reads)
+    return n_spatial < len(stmt.iter_vars) and any(r.region and uses(r.region[-1].min, last) for r in stmt.reads)
 
 
 class GEMV(dl.cpu.GEMV):
@@ -672,7 +638,7 @@ def _row_axis(sch: s_tir.Schedule, out, producers: list) -> tuple[int, int] | No
                 div = 1
             axis = next((k for k, v in enumerate(spatial) if v.same_as(index)), None)
             if axis is None:
-                if any(_uses(rng.min, v) for v in spatial):
+                if any(uses(rng.min, v) for v in spatial):
                     return None  # an index mixing output axes: no row of its own
                 continue
             if axis > deepest:

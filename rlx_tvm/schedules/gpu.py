@@ -6,11 +6,14 @@ produces something the target cannot run (an unbound loop, too many threads, too
 memory). So each kernel is given the first candidate that lowers for the target and passes TVM's
 ``verify_gpu_code`` with the target's limits:
 
-1. dlight's GPU rules in their usual order (``Matmul``, ``GEMV``, ``Reduction`` -- shared-memory /
-   warp reductions for norms, softmax-CE and column sums --, ``GeneralReduction``, ``Fallback``);
-   a rule that raises on a kernel it does not understand is treated as "does not apply";
-2. :class:`ThreadPerOutput`: one thread per output element, reductions serial inside the thread.
-   Race-free: the pooling backward is written as a gather, and the gather (embedding) backward's
+1. dlight's GPU rules (``Matmul``, ``GEMV``, ``Reduction`` -- shared-memory / warp reductions
+   for norms, softmax-CE and single-stage column sums --, ``GeneralReduction``); a rule that
+   raises on a kernel it does not understand is treated as "does not apply";
+2. :class:`StagedReduction`, for kernels with few, long sums (gamma gradients, conv2d dw) that
+   dlight's reduction rules do not take: cooperative column sums over ``threadIdx.y`` and row
+   sums over ``threadIdx.x``, both reduced in shared memory;
+3. dlight's ``Fallback``, then :class:`ThreadPerOutput`: one thread per output element,
+   reductions serial inside the thread. Race-free: the pooling backward is written as a gather, and the gather (embedding) backward's
    GPU form is a reduction block per block of output rows (``scatter_add_kernel`` in
    ops/indexing.py), so no two threads write the same element.
 
@@ -21,6 +24,7 @@ scatter_elements, which the decomposed gather backward uses) are kept as they ar
 from __future__ import annotations
 
 import importlib
+from math import prod
 
 import tvm
 import tvm_ffi
@@ -29,9 +33,10 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-from .common import inlined_blocks
+from ..ops.registry import static_int
+from .common import inlined_blocks, is_column_reduction
 
-__all__ = ["ThreadPerOutput", "gpu_limits", "schedule_gpu"]
+__all__ = ["StagedReduction", "ThreadPerOutput", "gpu_limits", "schedule_gpu"]
 
 
 class ThreadPerOutput(GPUScheduleRule):
@@ -68,8 +73,111 @@ class ThreadPerOutput(GPUScheduleRule):
         return sch
 
 
-def _dlight_rules() -> list:
-    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+class StagedReduction(GPUScheduleRule):
+    """Kernels with few, long sums (a norm's gamma gradient: a sum over rows per column; conv2d's
+    weight gradient), after per-row statistics or not, which dlight's reduction rules do not take
+    (several stages, or the reduced axis outside the contiguous one). Every stage gets a
+    cooperative schedule of its own:
+
+    * column sums ``out[.., j] = sum_r f(r, j)``: a warp takes 32 adjacent columns (reads along the
+      contiguous axis coalesce) and ``ty`` warps split the rows; each thread sums its rows, then
+      the ``ty`` partial sums are added across ``threadIdx.y`` in shared memory (TVM lowers a
+      reduction loop bound to a thread axis to that);
+    * row reductions (the statistics): a thread block per row, ``threadIdx.x`` across the row;
+    * elementwise stages: a thread per element.
+
+    Applies only where some sum has too few outputs to give every thread one (see
+    ``_few_long_sums``); the rest go to dlight's fallback (a thread per output element, its sum
+    serial in the thread: for a dgamma, 768 threads each walking 8192 rows)."""
+
+    def __init__(self, warp: int = 32, row_splits: int = 16, row_threads: int = 256, max_outputs: int = 1 << 16,
+                 min_reduction: int = 64):
+        self.warp, self.row_splits, self.row_threads = warp, row_splits, row_threads
+        self.max_outputs, self.min_reduction = max_outputs, min_reduction
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
+        found = inlined_blocks(self, func, target)
+        if found is None:
+            return None
+        sch, blocks = found
+        threads = int(target.attrs.get("max_num_threads", 256))
+        plans, cooperative = [], False
+        for info in blocks:
+            kinds = info.dom_kind()
+            n_spatial = len(kinds) - len(kinds.lstrip("S"))
+            if len(kinds) != len(sch.get_loops(info.block_rv)) or n_spatial == 0 \
+                    or kinds[n_spatial:] != "R" * (len(kinds) - n_spatial):
+                return None
+            if n_spatial == len(kinds):
+                plans.append((self._elementwise, info.block_rv, n_spatial))
+                continue
+            if not self._few_long_sums(info, n_spatial):
+                plans.append((self._sum_per_thread, info.block_rv, n_spatial))
+            elif is_column_reduction(sch, info.block_rv, n_spatial):
+                plans.append((self._column_sum, info.block_rv, n_spatial))
+                cooperative = True
+            else:
+                plans.append((self._row_reduction, info.block_rv, n_spatial))
+                cooperative = True
+        if not cooperative:
+            return None
+        for plan, block, n_spatial in plans:
+            plan(sch, block, n_spatial, threads)
+        return sch
+
+    def _few_long_sums(self, info, n_spatial: int) -> bool:
+        """Too few outputs to fill a GPU with a thread each, and long enough sums to share: a
+        norm's dgamma (768 columns over 8192 rows; group norm: 64 channels over 8 x 3136),
+        conv2d dw (36864 over 25088). Not attention's dk/dv (a million outputs) or conv2d dx (sums
+        of 576): a thread per output fills the GPU there, and splitting the sums would only add
+        the shared-memory step. A symbolic sum length counts as long, a symbolic output count as
+        many."""
+        extents = [it.dom for it in info.iters]
+        outputs, reduced = extents[:n_spatial], extents[n_spatial:]
+        if not all(isinstance(e, int) for e in outputs) or prod(outputs) >= self.max_outputs:
+            return False
+        return not all(isinstance(e, int) for e in reduced) or prod(reduced) >= self.min_reduction
+
+    @staticmethod
+    def _fused(sch, loops):
+        return sch.fuse(*loops) if len(loops) > 1 else loops[0]
+
+    def _elementwise(self, sch, block, _n_spatial, threads):
+        bx, tx = sch.split(self._fused(sch, sch.get_loops(block)), factors=[None, threads])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+
+    def _sum_per_thread(self, sch, block, n_spatial, threads):
+        loops = sch.get_loops(block)
+        bx, tx = sch.split(self._fused(sch, loops[:n_spatial]), factors=[None, threads])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+
+    def _row_reduction(self, sch, block, n_spatial, threads):
+        loops = sch.get_loops(block)
+        row, reduced = self._fused(sch, loops[:n_spatial]), self._fused(sch, loops[n_spatial:])
+        length = static_int(sch.get(reduced).extent)
+        lanes = min(threads, self.row_threads, -(-length // self.warp) * self.warp if length else self.row_threads)
+        _, lane = sch.split(reduced, factors=[None, lanes])
+        sch.bind(row, "blockIdx.x")
+        sch.bind(lane, "threadIdx.x")
+
+    def _column_sum(self, sch, block, n_spatial, threads):
+        loops = sch.get_loops(block)
+        columns, reduced = self._fused(sch, loops[:n_spatial]), self._fused(sch, loops[n_spatial:])
+        bx, tx = sch.split(columns, factors=[None, self.warp])
+        steps, ty = sch.split(reduced, factors=[None, max(1, min(self.row_splits, threads // self.warp))])
+        sch.reorder(bx, tx, ty, steps)
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        sch.bind(ty, "threadIdx.y")
+
+
+def _rules() -> list:
+    """The candidates, in order: dlight's specific rules, ours for few, long sums, then the
+    fallbacks (dlight's, and ThreadPerOutput where even that does not lower)."""
+    return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), StagedReduction(),
+            dl.gpu.Fallback(), ThreadPerOutput()]
 
 
 def gpu_limits(target: Target) -> dict[str, int]:
@@ -127,7 +235,7 @@ def schedule_gpu(mod: tvm.IRModule, target: Target) -> tuple[tvm.IRModule, dict[
             updates[gv] = func.with_attr("tirx.is_scheduled", True)
             chosen[gv.name_hint] = "bound by TVM's legalization"
             continue
-        for rule in [*_dlight_rules(), ThreadPerOutput()]:
+        for rule in _rules():
             try:
                 with target:
                     sch = rule.apply(func, target, False)
