@@ -7,8 +7,8 @@ issue #6, and carries everything needed to build and compare it:
 * ``rlx(vars)``: the rlx backward ops, one Relax function ``main`` returning a tuple;
 * ``tvm(vars)``: TVM 0.27's own formulation where it has one (``relax.op.grad.*``); otherwise the
   TVM baseline is the rlx decomposition into primitive Relax ops, built by plain ``tvm.compile``;
-* ``torch(tensors)``: PyTorch eager, returning ``(output, leaves, cotangent)`` so that only the
-  backward (``torch.autograd.grad``) is timed;
+* ``torch(tensors)``: PyTorch eager (``suite_torch.py``), returning ``(output, leaves,
+  cotangent)`` so that only the backward (``torch.autograd.grad``) is timed;
 * ``bytes`` / ``flops``: the minimal traffic (inputs read once, outputs written once) and the
   useful floating-point work, for GB/s and GFLOP/s.
 """
@@ -23,6 +23,7 @@ import tvm
 from tvm import relax
 
 from .. import ops
+from . import suite_torch
 
 __all__ = ["SUITE", "SuiteKernel", "suite_ir_module", "suite_kernel", "suite_kernels", "suite_module", "suite_reference"]
 
@@ -32,10 +33,14 @@ class SuiteKernel:
     name: str
     shapes: Callable[[str], dict]  # scale -> {input name: (shape, kind)}; kind picks the generator
     rlx: Callable[..., tuple]
-    torch: Callable[..., tuple]
     tvm: Callable[..., tuple] | None = None
     flops: Callable[[dict], float] | None = None  # shapes -> useful flops (compute-bound kernels)
     shape_only: tuple[str, ...] = ()  # inputs that only give a shape (not read: no memory traffic)
+
+    @property
+    def torch(self) -> Callable[..., tuple]:
+        """PyTorch eager: see :mod:`rlx_tvm.schedules.suite_torch`."""
+        return suite_torch.BY_KERNEL[self.name]
 
     def inputs(self, scale: str = "full", seed: int = 0) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -77,13 +82,6 @@ def _dims(var: relax.Var) -> list[int]:
     return [int(d) for d in var.ty.shape.values]
 
 
-def _torch():
-    import torch
-    import torch.nn.functional as F
-
-    return torch, F
-
-
 # ------------------------------------------------------------------------------------------------
 # elementwise activations: 8M elements
 # ------------------------------------------------------------------------------------------------
@@ -96,11 +94,7 @@ def _activation(kind: str, torch_fn: str) -> SuiteKernel:
     def rlx(x, dy):
         return (ops.relu_backward(x, dy) if kind == "relu" else ops.activation_backward(x, dy, kind=kind),)
 
-    def torch(x, dy):
-        t, F = _torch()
-        return getattr(F, torch_fn)(x), [x], dy
-
-    return SuiteKernel(f"{kind}_backward", _EW, rlx, torch)
+    return SuiteKernel(f"{kind}_backward", _EW, rlx)
 
 
 RELU = _register(_activation("relu", "relu"))
@@ -126,25 +120,15 @@ def _layer_norm_rlx(x, gamma, beta, dy):
             relax.op.sum(dy, axis=[0]))
 
 
-def _layer_norm_torch(x, gamma, beta, dy):
-    t, F = _torch()
-    return F.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-5), [x, gamma, beta], dy
-
-
 def _rms_norm_rlx(x, gamma, beta, dy):
     return (ops.rms_norm_backward_input(x, gamma, beta, dy, axis=-1, eps=1e-6),
             ops.rms_norm_backward_gamma(x, gamma, beta, dy, axis=-1, eps=1e-6))
 
 
-def _rms_norm_torch(x, gamma, beta, dy):
-    t, F = _torch()
-    return F.rms_norm(x, x.shape[-1:], gamma, eps=1e-6), [x, gamma], dy
+LAYER_NORM = _register(SuiteKernel("layer_norm_backward", _ROWS, _layer_norm_rlx))
+RMS_NORM = _register(SuiteKernel("rms_norm_backward", _ROWS, _rms_norm_rlx))
 
-
-LAYER_NORM = _register(SuiteKernel("layer_norm_backward", _ROWS, _layer_norm_rlx, _layer_norm_torch))
-RMS_NORM = _register(SuiteKernel("rms_norm_backward", _ROWS, _rms_norm_rlx, _rms_norm_torch))
-
-_GROUPS = 32
+_GROUPS = suite_torch.GROUP_NORM_GROUPS
 _GN = _shape_table(
     full={"x": ((8, 64, 56, 56), "normal"), "gamma": ((64,), "positive"), "beta": ((64,), "normal"),
           "dy": ((8, 64, 56, 56), "normal")},
@@ -159,12 +143,7 @@ def _group_norm_rlx(x, gamma, beta, dy):
             ops.group_norm_backward_beta(x, dy, num_groups=_GROUPS, eps=1e-5))
 
 
-def _group_norm_torch(x, gamma, beta, dy):
-    t, F = _torch()
-    return F.group_norm(x, _GROUPS, gamma, beta, eps=1e-5), [x, gamma, beta], dy
-
-
-GROUP_NORM = _register(SuiteKernel("group_norm_backward", _GN, _group_norm_rlx, _group_norm_torch))
+GROUP_NORM = _register(SuiteKernel("group_norm_backward", _GN, _group_norm_rlx))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,14 +156,9 @@ _CE = _shape_table(
 )
 
 
-def _ce_torch(logits, labels, d_loss):
-    t, F = _torch()
-    return F.cross_entropy(logits, labels, reduction="none"), [logits], d_loss
-
-
 CROSS_ENTROPY = _register(SuiteKernel(
     "softmax_cross_entropy_backward", _CE,
-    lambda logits, labels, d_loss: (ops.softmax_cross_entropy_backward(logits, labels, d_loss),), _ce_torch))
+    lambda logits, labels, d_loss: (ops.softmax_cross_entropy_backward(logits, labels, d_loss),)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,22 +176,14 @@ def _conv_flops(shapes):
     return 2.0 * n * k * c * h * w * kh * kw  # stride 1, 'same' padding: Ho = H, Wo = W
 
 
-def _conv_torch(wrt: str):
-    def fn(x, w, dy):
-        t, F = _torch()
-        return F.conv2d(x, w, padding=1), [{"x": x, "w": w}[wrt]], dy
-
-    return fn
-
-
 CONV_INPUT = _register(SuiteKernel(
     "conv2d_backward_input", _CONV,
     lambda x, w, dy: (ops.conv2d_backward_input(dy, w, input_size=tuple(_dims(x)[2:]), padding=1),),
-    _conv_torch("x"), flops=_conv_flops))
+    flops=_conv_flops))
 CONV_WEIGHT = _register(SuiteKernel(
     "conv2d_backward_weight", _CONV,
     lambda x, w, dy: (ops.conv2d_backward_weight(x, dy, kernel_size=tuple(_dims(w)[2:]), padding=1),),
-    _conv_torch("w"), flops=_conv_flops))
+    flops=_conv_flops))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -230,15 +196,9 @@ _POOL = _shape_table(
 )
 
 
-def _pool_torch(x, dy):
-    t, F = _torch()
-    return F.max_pool2d(x, 3, 2, 1), [x], dy
-
-
 MAX_POOL = _register(SuiteKernel(
     "max_pool2d_backward", _POOL,
     lambda x, dy: (ops.max_pool2d_backward(x, dy, kernel_size=(3, 3), stride=(2, 2), padding=(1, 1)),),
-    _pool_torch,
     tvm=lambda x, dy: (relax.op.grad.max_pool2d_backward(dy, x, pool_size=(3, 3), strides=(2, 2),
                                                           padding=(1, 1, 1, 1)),)))
 
@@ -257,22 +217,13 @@ def _attention_rlx(q, k, v, dy):
     return tuple(ops.attention_backward(q, k, v, dy, wrt=w, causal_mask="TopLeft") for w in ("q", "k", "v"))
 
 
-def _attention_torch(q, k, v, dy):
-    t, F = _torch()
-    # torch's native layout is [B, H, S, D]: give it contiguous tensors in that layout
-    q, k, v, dy = (a.transpose(1, 2).contiguous().detach() for a in (q, k, v, dy))
-    for a in (q, k, v):
-        a.requires_grad_(True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v], dy
-
-
 def _attention_flops(shapes):
     b, s, h, d = shapes["q"][0]
     # backward of causal attention: S = QK^T recomputed, dV, dP, dQ, dK: 5 matmuls, half masked
     return 5 * 2.0 * b * h * s * s * d / 2
 
 
-ATTENTION = _register(SuiteKernel("attention_backward", _ATTN, _attention_rlx, _attention_torch,
+ATTENTION = _register(SuiteKernel("attention_backward", _ATTN, _attention_rlx,
                                   flops=_attention_flops))
 
 
@@ -286,16 +237,10 @@ _GATHER = _shape_table(
 )
 
 
-def _gather_torch(table, indices, dy):
-    t, F = _torch()
-    return F.embedding(indices, table), [table], dy
-
-
 GATHER = _register(SuiteKernel(
     "gather_backward", _GATHER,
     lambda table, indices, dy: (ops.gather_backward(dy, indices, axis=0,
                                                     dim_size=_dims(table)[0]),),
-    _gather_torch,
     tvm=lambda table, indices, dy: (relax.op.grad.take_backward(dy, table, indices, axis=0),),
     shape_only=("table",)))
 
@@ -308,24 +253,12 @@ _CUMSUM = _shape_table(full={"x": ((64, 4096), "normal"), "dy": ((64, 4096), "no
                        small={"x": ((5, 33), "normal"), "dy": ((5, 33), "normal")})
 
 
-def _cumsum_torch(x, dy):
-    t, F = _torch()
-    return t.cumsum(x, dim=1), [x], dy
-
-
-CUMSUM = _register(SuiteKernel("cumsum_backward", _CUMSUM, lambda x, dy: (ops.cumsum_backward(dy, axis=1),),
-                               _cumsum_torch))
-
-
-def _fake_quant_torch(x, dy):
-    t, F = _torch()
-    scale = float(x.detach().abs().max()) / 127  # torch takes the scale; rlx derives it from x in the kernel
-    return t.fake_quantize_per_tensor_affine(x, scale, 0, -127, 127), [x], dy
+CUMSUM = _register(SuiteKernel("cumsum_backward", _CUMSUM, lambda x, dy: (ops.cumsum_backward(dy, axis=1),)))
 
 
 FAKE_QUANT = _register(SuiteKernel(
     "fake_quantize_backward", _EW,
-    lambda x, dy: (ops.fake_quantize_backward(x, dy, bits=8, ste="clipped"),), _fake_quant_torch))
+    lambda x, dy: (ops.fake_quantize_backward(x, dy, bits=8, ste="clipped"),)))
 
 _ROPE = _shape_table(
     full={"x": ((4, 512, 8, 64), "normal"), "cos": ((512, 32), "normal"), "sin": ((512, 32), "normal"),
@@ -335,18 +268,10 @@ _ROPE = _shape_table(
 )
 
 
-def _rope_torch(x, cos, sin, dy):
-    t, F = _torch()
-    half = x.shape[-1] // 2
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    a, b = x[..., :half], x[..., half:]
-    return t.cat([a * c - b * s, b * c + a * s], dim=-1), [x], dy
-
-
 ROPE = _register(SuiteKernel(
     "rope_backward", _ROPE,
     lambda x, cos, sin, dy: (ops.rope_backward(dy, cos, sin, head_dim=_dims(x)[-1]),),
-    _rope_torch))
+))
 
 
 # ------------------------------------------------------------------------------------------------
