@@ -145,6 +145,20 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_device_pack(args: argparse.Namespace) -> int:
+    from .device_pack import build_pack, pack_size
+
+    target = _target(args.target)
+    print(f"building the suite for {target} into {args.out}", flush=True)
+    build_pack(args.out, target, _kernel_names(args.kernels), python_version=args.python, scale=args.scale,
+               tuning_log=args.tuning_log or "auto", progress=lambda m: print(m, flush=True))
+    size = pack_size(args.out)
+    print(f"\n{args.out}: {size / 2**20:.1f} MiB. On the GPU machine: python3 {args.out}/device_time.py --out RESULTS.json")
+    if size > 60 * 2**20:
+        print("warning: over 60 MiB; the lent device machines take 64 MiB with a run (--kernels for fewer)")
+    return 0
+
+
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -294,6 +308,26 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--tuning-log", help="tuning log directory (default: the committed log of the target)")
     co.add_argument("--scale", default="full", choices=["full", "small"], help="shapes of a suite: kernel")
     co.set_defaults(func=_cmd_compile)
+
+    dp = sub.add_parser(
+        "device-pack",
+        help="build the suite for a GPU into a directory that times it on a machine without TVM's compiler",
+        description=(
+            "Compiles every suite kernel (or --kernels) for --target here (CUDA through nvcc) to shared libraries "
+            "and writes beside them their input specs, TVM's runtime without its compiler (and tvm_ffi for the "
+            "device's Python), the PyTorch counterparts and device_time.py. On the machine with the GPU (which "
+            "needs Python, NumPy and, for the comparison, PyTorch; nothing else): python3 OUT/device_time.py "
+            "--out results.json times each TVM build against PyTorch eager and prints a table."
+        ),
+    )
+    dp.add_argument("--target", default='{"kind": "cuda", "arch": "sm_90"}',
+                    help="TVM target (default CUDA sm_90, the H100/H200; 'local' builds for this CPU, to try a pack here)")
+    dp.add_argument("--out", default="device_pack", help="directory to write (replaced; default device_pack)")
+    dp.add_argument("--kernels", help="comma-separated suite kernels (default: all)")
+    dp.add_argument("--python", help="the device's Python version, e.g. 3.12 (default: this one's)")
+    dp.add_argument("--scale", choices=["full", "small"], default="full", help="suite shapes (default full)")
+    dp.add_argument("--tuning-log", help="tuning log directory (default: the committed log for the target, if any)")
+    dp.set_defaults(func=_cmd_device_pack)
 
     ops = sub.add_parser("ops", help="list the registered rlx ops and their signatures",
                          description="Lists every relax.rlx.* operator with its inputs and attributes.")

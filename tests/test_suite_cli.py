@@ -350,7 +350,7 @@ def test_cli_bench_prints_a_table_and_writes_json(cli_tuned, tmp_path, capsys):
     assert md[0].startswith("| kernel |") and md[2].startswith("| rms_norm_backward |") and len(md) == 4
 
 
-@pytest.mark.parametrize("command", ["tune", "bench", "compile"])
+@pytest.mark.parametrize("command", ["tune", "bench", "compile", "device-pack"])
 def test_cli_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])
@@ -362,3 +362,32 @@ def test_cli_help(command, capsys):
 def test_cli_rejects_unknown_kernels():
     with pytest.raises(SystemExit, match="no suite kernel 'nope'; the suite has .*relu_backward"):
         cli.main(["bench", "--kernels", "nope", "--scale", "small"])
+
+
+def test_device_pack_runs_without_the_compiler(tmp_path, capsys):
+    """A pack built for this CPU (the GPU packs take the same path, built for CUDA) holds the
+    kernels, TVM's runtime without its compiler and the timer; the timer, run as a separate Python
+    on the pack alone, loads the pack's runtime and times every kernel (and PyTorch, when
+    installed, whose gradients the TVM outputs match)."""
+    import subprocess
+    import sys
+
+    pack = tmp_path / "pack"
+    assert cli.main(["device-pack", "--target", "local", "--scale", "small", "--out", str(pack),
+                     "--kernels", "layer_norm_backward,gather_backward"]) == 0
+    assert "device_time.py" in capsys.readouterr().out
+    assert not (pack / "tvm_runtime" / "tvm" / "lib" / "libtvm_compiler.so").exists()
+    spec = json.loads((pack / "spec.json").read_text())
+    assert [k["name"] for k in spec["kernels"]] == ["layer_norm_backward", "gather_backward"]
+    assert spec["kernels"][0]["inputs"][0] == {"name": "x", "shape": [24, 64], "dtype": "float32", "kind": "normal"}
+    result = subprocess.run([sys.executable, str(pack / "device_time.py"), "--out", str(tmp_path / "r.json"),
+                             "--repeats", "2", "--min-ms", "1"], cwd=tmp_path, capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"TVM runtime from {pack / 'tvm_runtime' / 'tvm'}" in result.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [k["name"] for k in report["kernels"]] == ["layer_norm_backward", "gather_backward"]
+    for k in report["kernels"]:
+        assert k["ms"]["tvm"] > 0
+        if "torch" in k["ms"]:  # the optional extra: outputs checked against PyTorch's gradients
+            assert k["max_rel_diff"] < 1e-5, k
