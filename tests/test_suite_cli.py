@@ -391,3 +391,25 @@ def test_device_pack_runs_without_the_compiler(tmp_path, capsys):
         assert k["ms"]["tvm"] > 0
         if "torch" in k["ms"]:  # the optional extra: outputs checked against PyTorch's gradients
             assert k["max_rel_diff"] < 1e-5, k
+
+
+def test_cuda_device_pack_builds_and_stops_at_the_driver(tmp_path, capsys):
+    """The CUDA pack: kernels compiled with nvcc into libraries holding CUDA modules; its timer,
+    run here (no GPU driver), gets as far as loading TVM's CUDA runtime and says what is missing."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: CUDA kernels cannot be compiled into a pack")
+    pack = tmp_path / "pack"
+    assert cli.main(["device-pack", "--scale", "small", "--out", str(pack), "--kernels", "rms_norm_backward"]) == 0
+    spec = json.loads((pack / "spec.json").read_text())
+    assert spec["device"] == "cuda" and '"arch":"sm_90"' in spec["target"].replace(" ", "")
+    assert b"cuda" in (pack / "rms_norm_backward.so").read_bytes()
+    result = subprocess.run([sys.executable, str(pack / "device_time.py"), "--no-torch", "--out", str(tmp_path / "r.json")],
+                            cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=300)
+    if result.returncode == 0:  # a machine with a GPU: the kernel ran there
+        assert json.loads((tmp_path / "r.json").read_text())["kernels"][0]["ms"]["tvm"] > 0
+    else:
+        assert "libcuda.so.1" in result.stderr or "libcudart.so.13 not found" in result.stderr, result.stderr[-2000:]
