@@ -442,46 +442,41 @@ def scatter_add_kernel(dtype: str, acc: str, idx_dtype: str, outer, n_idx, inner
     dim, rows, blocks = _i64(dim_size), _i64(rows), _i64(blocks)
 
     @T.prim_func(private=True, s_tir=True)
-    def chunked_kernel(dy_h: T.handle, idx_h: T.handle, out_h: T.handle):
+    def kernel(dy_h: T.handle, idx_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         dy = T.match_buffer(dy_h, (outer, n_idx, inner), dtype)
         idx = T.match_buffer(idx_h, (n_idx,), idx_dtype)
         out = T.match_buffer(out_h, (outer, dim, inner), acc)
-        for o, d, i in T.grid(outer, dim, inner):
-            with T.sblock("init"):
-                vo, vd, vi = T.axis.remap("SSS", [o, d, i])
-                out[vo, vd, vi] = T.cast(0, acc)
-        for o, c in T.grid(outer, inner // chunk):
-            with T.sblock("accumulate"):
-                vo, vc = T.axis.remap("SS", [o, c])
-                T.reads(idx[0:n_idx], dy[vo, 0:n_idx, vc * chunk:vc * chunk + chunk])
-                T.writes(out[vo, 0:dim, vc * chunk:vc * chunk + chunk])
-                for j in range(n_idx):
-                    row: T.int64 = T.Cast("int64", idx[j]) + T.if_then_else(idx[j] < 0, dim, T.int64(0))
-                    if 0 <= row and row < dim:
-                        for f in T.vectorized(chunk):
-                            out[vo, row, vc * chunk + f] = out[vo, row, vc * chunk + f] + T.Cast(acc, dy[vo, j, vc * chunk + f])
+        if chunked:
+            for o, d, i in T.grid(outer, dim, inner):
+                with T.sblock("init"):
+                    vo, vd, vi = T.axis.remap("SSS", [o, d, i])
+                    out[vo, vd, vi] = T.cast(0, acc)
+            for o, c in T.grid(outer, inner // chunk):
+                with T.sblock("accumulate"):
+                    vo, vc = T.axis.remap("SS", [o, c])
+                    T.reads(idx[0:n_idx], dy[vo, 0:n_idx, vc * chunk:vc * chunk + chunk])
+                    T.writes(out[vo, 0:dim, vc * chunk:vc * chunk + chunk])
+                    for j in range(n_idx):
+                        row: T.int64 = T.Cast("int64", idx[j]) + T.if_then_else(idx[j] < 0, dim, T.int64(0))
+                        if 0 <= row and row < dim:
+                            for f in T.vectorized(chunk):
+                                out[vo, row, vc * chunk + f] = out[vo, row, vc * chunk + f] + T.Cast(acc, dy[vo, j, vc * chunk + f])
+        else:
+            for o, b, j, i in T.grid(outer, blocks, n_idx, inner):
+                with T.sblock("accumulate"):
+                    vo, vb, vj, vi = T.axis.remap("SSRS", [o, b, j, i])
+                    T.reads(idx[vj], dy[vo, vj, vi])
+                    T.writes(out[vo, vb * rows:T.min(vb * rows + rows, dim), vi])
+                    with T.init():
+                        for r in range(rows):
+                            if vb * rows + r < dim:
+                                out[vo, vb * rows + r, vi] = T.cast(0, acc)
+                    row: T.int64 = T.Cast("int64", idx[vj]) + T.if_then_else(idx[vj] < 0, dim, T.int64(0))
+                    if vb * rows <= row and row < vb * rows + rows and row < dim:
+                        out[vo, row, vi] = out[vo, row, vi] + T.Cast(acc, dy[vo, vj, vi])
 
-    @T.prim_func(private=True, s_tir=True)
-    def row_blocked_kernel(dy_h: T.handle, idx_h: T.handle, out_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        dy = T.match_buffer(dy_h, (outer, n_idx, inner), dtype)
-        idx = T.match_buffer(idx_h, (n_idx,), idx_dtype)
-        out = T.match_buffer(out_h, (outer, dim, inner), acc)
-        for o, b, j, i in T.grid(outer, blocks, n_idx, inner):
-            with T.sblock("accumulate"):
-                vo, vb, vj, vi = T.axis.remap("SSRS", [o, b, j, i])
-                T.reads(idx[vj], dy[vo, vj, vi])
-                T.writes(out[vo, vb * rows:T.min(vb * rows + rows, dim), vi])
-                with T.init():
-                    for r in range(rows):
-                        if vb * rows + r < dim:
-                            out[vo, vb * rows + r, vi] = T.cast(0, acc)
-                row: T.int64 = T.Cast("int64", idx[vj]) + T.if_then_else(idx[vj] < 0, dim, T.int64(0))
-                if vb * rows <= row and row < vb * rows + rows and row < dim:
-                    out[vo, row, vi] = out[vo, row, vi] + T.Cast(acc, dy[vo, vj, vi])
-
-    return chunked_kernel if chunked else row_blocked_kernel
+    return kernel
 
 
 @gather_backward.fused
