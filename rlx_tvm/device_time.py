@@ -58,9 +58,10 @@ def _load_cuda_runtime(tvm) -> None:
         return load()
     except (OSError, RuntimeError):
         pass
-    roots = [*sys.path, "/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]
-    found = [f for r in roots for f in glob.glob(os.path.join(r, "**", "libcudart.so.13*"), recursive=True)]
-    found += [f for r in roots[-2:] for f in glob.glob(os.path.join(r, "libcudart.so.13*"))]
+    # PyTorch's CUDA wheels (nvidia/cu13/lib, nvidia/cuda_runtime/lib), then a CUDA toolkit
+    found = [f for r in sys.path for f in glob.glob(os.path.join(r, "nvidia", "**", "libcudart.so.13*"), recursive=True)]
+    found += [f for r in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib")
+              for f in glob.glob(os.path.join(r, "libcudart.so.13*"))]
     if not found:
         raise RuntimeError("libcudart.so.13 not found (TVM's CUDA runtime needs it): install PyTorch cu13x or CUDA 13")
     ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
