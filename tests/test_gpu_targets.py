@@ -94,6 +94,28 @@ def test_few_long_sums_reduce_cooperatively_on_cuda():
             assert len(tvm.support.nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")) > 1000
 
 
+def test_attention_products_are_tiled_in_shared_memory_on_cuda():
+    """At the suite's shapes, the matrix products inside the fused attention backward kernels
+    (scores, dp, dq, dk, dv) run as shared-memory tiled products: a thread block per 16 x 16
+    outputs, operand tiles fetched by the block together, the sum in a register; the softmax
+    statistics by a thread block per row. Built with nvcc."""
+    mod = lower(suite_ir_module([suite_kernel("attention_backward")], "full"), CUDA, schedule=False, tuning_log=None)
+    scheduled, chosen = schedule_gpu(mod, CUDA)
+    names = [n for n in chosen if n.startswith("rlx_attention_backward")]
+    assert names and all(chosen[n] == "StagedReduction" for n in names), chosen
+    for name in names:
+        script = scheduled[name].script()
+        assert 'scope="shared"' in script and 'scope="local"' in script, name
+    src = _device_source(tvm.compile(scheduled, target=CUDA), "cuda")
+    bodies = _kernels(src, r'extern "C" __global__')
+    tiled = [k for k, b in bodies.items() if k.startswith("rlx_attention_backward") and "_shared_ptr[" in b
+             and "__syncthreads" in b]
+    assert len(tiled) >= 5, sorted(bodies)  # scores in each of the three kernels, and dv, dp, dq, dk
+    if shutil.which("nvcc") is not None:
+        with CUDA:
+            assert len(tvm.support.nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")) > 1000
+
+
 def test_decomposed_suite_schedules_and_builds_for_cuda(suite_mod):
     lowered = lower(DecomposeBackwardOps()(suite_mod), CUDA, tuning_log=None)
     funcs = _prim_funcs(lowered)

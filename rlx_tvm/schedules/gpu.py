@@ -9,9 +9,10 @@ memory). So each kernel is given the first candidate that lowers for the target 
 1. dlight's GPU rules (``Matmul``, ``GEMV``, ``Reduction`` -- shared-memory / warp reductions
    for norms, softmax-CE and single-stage column sums --, ``GeneralReduction``); a rule that
    raises on a kernel it does not understand is treated as "does not apply";
-2. :class:`StagedReduction`, for kernels with few, long sums (gamma gradients, conv2d dw) that
-   dlight's reduction rules do not take: cooperative column sums over ``threadIdx.y`` and row
-   sums over ``threadIdx.x``, both reduced in shared memory;
+2. :class:`StagedReduction`, for multi-stage kernels with few, long sums (gamma gradients,
+   conv2d dw) or matrix products (attention) that dlight's rules do not take: cooperative column
+   sums over ``threadIdx.y`` and row sums over ``threadIdx.x``, reduced in shared memory, and
+   products tiled in shared memory;
 3. dlight's ``Fallback``, then :class:`ThreadPerOutput`: one thread per output element,
    reductions serial inside the thread. Race-free: the pooling backward is written as a gather, and the gather (embedding) backward's
    GPU form is a reduction block per block of output rows (``scatter_add_kernel`` in
@@ -24,6 +25,7 @@ scatter_elements, which the decomposed gather backward uses) are kept as they ar
 from __future__ import annotations
 
 import importlib
+from functools import partial
 from math import prod
 
 import tvm
@@ -74,10 +76,12 @@ class ThreadPerOutput(GPUScheduleRule):
 
 
 class StagedReduction(GPUScheduleRule):
-    """Kernels with few, long sums (a norm's gamma gradient: a sum over rows per column; conv2d's
-    weight gradient), after per-row statistics or not, which dlight's reduction rules do not take
-    (several stages, or the reduced axis outside the contiguous one). Every stage gets a
-    cooperative schedule of its own:
+    """Multi-stage kernels that dlight's rules do not take (several stages, or the reduced axis
+    outside the contiguous one) and that have few, long sums (a norm's gamma gradient: a sum over
+    rows per column; conv2d's weight gradient) or matrix products (attention's scores, dp, dq, dk,
+    dv). Every stage gets a cooperative schedule of its own:
+
+    * matrix products with many outputs: shared-memory tiles (see ``_tiled_product``);
 
     * column sums ``out[.., j] = sum_r f(r, j)``: a warp takes 32 adjacent columns (reads along the
       contiguous axis coalesce) and ``ty`` warps split the rows; each thread sums its rows, then
@@ -86,14 +90,16 @@ class StagedReduction(GPUScheduleRule):
     * row reductions (the statistics): a thread block per row, ``threadIdx.x`` across the row;
     * elementwise stages: a thread per element.
 
-    Applies only where some sum has too few outputs to give every thread one (see
-    ``_few_long_sums``); the rest go to dlight's fallback (a thread per output element, its sum
-    serial in the thread: for a dgamma, 768 threads each walking 8192 rows)."""
+    * other sums: a thread per output.
+
+    Applies only where some stage is a product or a sum with too few outputs to give every thread
+    one (see ``_few_long_sums``); the rest go to dlight's fallback (a thread per output element,
+    its sum serial in the thread: for a dgamma, 768 threads each walking 8192 rows)."""
 
     def __init__(self, warp: int = 32, row_splits: int = 16, row_threads: int = 256, max_outputs: int = 1 << 16,
-                 min_reduction: int = 64):
+                 min_reduction: int = 64, tile: int = 16):
         self.warp, self.row_splits, self.row_threads = warp, row_splits, row_threads
-        self.max_outputs, self.min_reduction = max_outputs, min_reduction
+        self.max_outputs, self.min_reduction, self.tile = max_outputs, min_reduction, tile
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
         found = inlined_blocks(self, func, target)
@@ -111,7 +117,11 @@ class StagedReduction(GPUScheduleRule):
             if n_spatial == len(kinds):
                 plans.append((self._elementwise, info.block_rv, n_spatial))
                 continue
-            if not self._few_long_sums(info, n_spatial):
+            product = _product_roles(sch, info, n_spatial)
+            if product is not None and self._many_outputs(info, n_spatial):
+                plans.append((partial(self._tiled_product, roles=product), info.block_rv, n_spatial))
+                cooperative = True
+            elif not self._few_long_sums(info, n_spatial):
                 plans.append((self._sum_per_thread, info.block_rv, n_spatial))
             elif is_column_reduction(sch, info.block_rv, n_spatial):
                 plans.append((self._column_sum, info.block_rv, n_spatial))
@@ -122,8 +132,52 @@ class StagedReduction(GPUScheduleRule):
         if not cooperative:
             return None
         for plan, block, n_spatial in plans:
-            plan(sch, block, n_spatial, threads)
+            sch = plan(sch, block, n_spatial, threads) or sch
         return sch
+
+    def _many_outputs(self, info, n_spatial: int) -> bool:
+        extents = [it.dom for it in info.iters[:n_spatial]]
+        return not all(isinstance(e, int) for e in extents) or prod(extents) >= self.max_outputs
+
+    def _tiled_product(self, sch, block, n_spatial, threads, roles):
+        """A (batched) matrix product stage (attention's scores, dv, dp, dq, dk): a thread block
+        per ``tile x tile`` outputs, a thread per output summing in a register, and the two
+        operands' ``tile x tile`` slices for each step of the sum staged in shared memory,
+        fetched by all the block's threads together (each loaded element is used ``tile``
+        times). Where a primitive refuses
+        (e.g. a window read that does not tile), the stage keeps a thread per output."""
+        batch, rows, cols, reduced, operands = roles
+        tile = self.tile if threads >= self.tile * self.tile else max(1, int((threads ** 0.5)))
+        trial = sch.copy()
+        try:
+            loops = {str(it.var): it.loop_rv for it in _iters(trial, block)}
+            order = [*(loops[v] for v in batch), *(loops[v] for v in rows), *(loops[v] for v in cols),
+                     *(loops[v] for v in reduced)]
+            trial.reorder(*order)
+            b = self._fused(trial, [loops[v] for v in batch]) if batch else trial.add_unit_loop(loops[rows[0]])
+            r, c = self._fused(trial, [loops[v] for v in rows]), self._fused(trial, [loops[v] for v in cols])
+            k = self._fused(trial, [loops[v] for v in reduced])
+            ro, ri = trial.split(r, factors=[None, tile])
+            co, ci = trial.split(c, factors=[None, tile])
+            ko, _ = trial.split(k, factors=[None, tile])
+            trial.reorder(b, ro, co, ri, ci)
+            trial.bind(trial.fuse(b, ro, co), "blockIdx.x")
+            trial.bind(ri, "threadIdx.y")
+            trial.bind(ci, "threadIdx.x")
+            # the sum in a register, stored once after it
+            trial.reverse_compute_at(trial.cache_write(block, 0, "local"), ci)
+            depth = 1 + next(i for i, lp in enumerate(trial.get_loops(block)) if trial.get(lp).same_as(trial.get(ko)))
+            for index in operands:
+                staged = trial.cache_read(block, index, "shared", consumer_blocks=[block])  # not the buffer's other readers
+                trial.compute_at(staged, ko)
+                fetch = trial.get_loops(staged)[depth:]
+                _, ty, tx = trial.split(self._fused(trial, fetch), factors=[None, tile, tile])
+                trial.bind(ty, "threadIdx.y")
+                trial.bind(tx, "threadIdx.x")
+        except s_tir.ScheduleError:
+            self._sum_per_thread(sch, block, n_spatial, threads)
+            return sch
+        return trial
 
     def _few_long_sums(self, info, n_spatial: int) -> bool:
         """Too few outputs to fill a GPU with a thread each, and long enough sums to share: a
@@ -171,6 +225,45 @@ class StagedReduction(GPUScheduleRule):
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         sch.bind(ty, "threadIdx.y")
+
+
+def _iters(sch: s_tir.Schedule, block) -> list:
+    """dlight's iter infos (block var, kind, extent, loop) of ``block`` in ``sch``."""
+    from tvm.s_tir.dlight.analysis import get_sblock_info
+
+    return get_sblock_info(sch, block).iters
+
+
+def _product_roles(sch: s_tir.Schedule, info, n_spatial: int):
+    """For a reduction block that multiplies two operands into a (batched) matrix product: the
+    names of its batch, row, column and reduced block vars and the read indices of the two
+    operands (the row operand uses the rows but not the columns, the column operand the
+    reverse, both the reduced vars; other reads, e.g. a per-row scale, ride along); None
+    otherwise."""
+    stmt = sch.get(info.block_rv)
+    spatial = [str(it.var) for it in info.iters[:n_spatial]]
+    reduced = [str(it.var) for it in info.iters[n_spatial:]]
+    if not reduced:
+        return None
+
+    def used(region):
+        return {str(v) for rg in region.region for v in tirx.analysis.undefined_vars(rg.min)}
+
+    row_side, col_side = [], []
+    for index, read in enumerate(stmt.reads):
+        names = used(read)
+        if len(read.region) < 2 or not names & set(reduced):
+            continue
+        row_side.append((index, names & set(spatial)))
+        col_side.append((index, names & set(spatial)))
+    for a_index, a_vars in row_side:
+        for b_index, b_vars in col_side:
+            rows, cols = a_vars - b_vars, b_vars - a_vars
+            if a_index != b_index and rows and cols and a_vars | b_vars == set(spatial):
+                batch = [v for v in spatial if v in a_vars & b_vars]
+                return ([v for v in spatial if v in batch], [v for v in spatial if v in rows],
+                        [v for v in spatial if v in cols], reduced, [a_index, b_index])
+    return None
 
 
 def _rules() -> list:
