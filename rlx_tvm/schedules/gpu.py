@@ -82,15 +82,13 @@ class StagedReduction(GPUScheduleRule):
     dv). Every stage gets a cooperative schedule of its own:
 
     * matrix products with many outputs: shared-memory tiles (see ``_tiled_product``);
-
     * column sums ``out[.., j] = sum_r f(r, j)``: a warp takes 32 adjacent columns (reads along the
       contiguous axis coalesce) and ``ty`` warps split the rows; each thread sums its rows, then
       the ``ty`` partial sums are added across ``threadIdx.y`` in shared memory (TVM lowers a
       reduction loop bound to a thread axis to that);
     * row reductions (the statistics): a thread block per row, ``threadIdx.x`` across the row;
+    * other sums: a thread per output;
     * elementwise stages: a thread per element.
-
-    * other sums: a thread per output.
 
     Applies only where some stage is a product or a sum with too few outputs to give every thread
     one (see ``_few_long_sums``); the rest go to dlight's fallback (a thread per output element,
@@ -144,10 +142,12 @@ class StagedReduction(GPUScheduleRule):
         per ``tile x tile`` outputs, a thread per output summing in a register, and the two
         operands' ``tile x tile`` slices for each step of the sum staged in shared memory,
         fetched by all the block's threads together (each loaded element is used ``tile``
-        times). Where a primitive refuses
-        (e.g. a window read that does not tile), the stage keeps a thread per output."""
+        times). Where a primitive refuses (e.g. a window read that does not tile), the stage
+        keeps a thread per output."""
         batch, rows, cols, reduced, operands = roles
-        tile = self.tile if threads >= self.tile * self.tile else max(1, int((threads ** 0.5)))
+        tile = self.tile
+        while tile > 1 and tile * tile > threads:  # 8 x 8 under Vulkan's 64 threads
+            tile //= 2
         trial = sch.copy()
         try:
             loops = {str(it.var): it.loop_rv for it in _iters(trial, block)}
@@ -249,26 +249,22 @@ def _product_roles(sch: s_tir.Schedule, info, n_spatial: int):
     def used(region):
         return {str(v) for rg in region.region for v in tirx.analysis.undefined_vars(rg.min)}
 
-    row_side, col_side = [], []
-    for index, read in enumerate(stmt.reads):
-        names = used(read)
-        if len(read.region) < 2 or not names & set(reduced):
-            continue
-        row_side.append((index, names & set(spatial)))
-        col_side.append((index, names & set(spatial)))
-    for a_index, a_vars in row_side:
-        for b_index, b_vars in col_side:
+    # reads of at least two dims that run along the sum: index -> the output vars they use
+    operands = [(i, used(r) & set(spatial)) for i, r in enumerate(stmt.reads)
+                if len(r.region) >= 2 and used(r) & set(reduced)]
+    for a_index, a_vars in operands:
+        for b_index, b_vars in operands:
             rows, cols = a_vars - b_vars, b_vars - a_vars
             if a_index != b_index and rows and cols and a_vars | b_vars == set(spatial):
-                batch = [v for v in spatial if v in a_vars & b_vars]
-                return ([v for v in spatial if v in batch], [v for v in spatial if v in rows],
+                return ([v for v in spatial if v in a_vars & b_vars], [v for v in spatial if v in rows],
                         [v for v in spatial if v in cols], reduced, [a_index, b_index])
     return None
 
 
 def _rules() -> list:
-    """The candidates, in order: dlight's specific rules, ours for few, long sums, then the
-    fallbacks (dlight's, and ThreadPerOutput where even that does not lower)."""
+    """The candidates, in order: dlight's specific rules, ours for staged kernels with few, long
+    sums or matrix products, then the fallbacks (dlight's, and ThreadPerOutput where even that
+    does not lower)."""
     return [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), StagedReduction(),
             dl.gpu.Fallback(), ThreadPerOutput()]
 
