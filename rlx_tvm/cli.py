@@ -150,8 +150,11 @@ def _cmd_device_pack(args: argparse.Namespace) -> int:
 
     target = _target(args.target)
     print(f"building the suite for {target} into {args.out}", flush=True)
-    build_pack(args.out, target, _kernel_names(args.kernels), python_version=args.python, scale=args.scale,
-               tuning_log=args.tuning_log or "auto", progress=lambda m: print(m, flush=True))
+    try:
+        build_pack(args.out, target, _kernel_names(args.kernels), python_version=args.python, scale=args.scale,
+                   tuning_log=args.tuning_log or "auto", progress=lambda m: print(m, flush=True))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     size = pack_size(args.out)
     print(f"\n{args.out}: {size / 2**20:.1f} MiB. On the GPU machine: python3 {args.out}/device_time.py --out RESULTS.json")
     if size > 60 * 2**20:
@@ -322,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dp.add_argument("--target", default='{"kind": "cuda", "arch": "sm_90"}',
                     help="TVM target (default CUDA sm_90, the H100/H200; 'local' builds for this CPU, to try a pack here)")
-    dp.add_argument("--out", default="device_pack", help="directory to write (replaced; default device_pack)")
+    dp.add_argument("--out", default="device_pack",
+                    help="directory to write: new, empty, or an earlier pack, which is replaced (default device_pack)")
     dp.add_argument("--kernels", help="comma-separated suite kernels (default: all)")
     dp.add_argument("--python", help="the device's Python version, e.g. 3.12 (default: this one's)")
     dp.add_argument("--scale", choices=["full", "small"], default="full", help="suite shapes (default full)")

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from math import prod
+from types import SimpleNamespace
 
 import tvm
 
@@ -76,9 +76,12 @@ def build_pack(out_dir: str, target, kernels=None, python_version: str | None = 
     if device is None:
         raise ValueError(f"rlx-tvm device-pack: targets 'cuda' and 'llvm' only (the timer runs them), not {target.kind.name}")
     python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
-    if os.path.exists(out_dir):
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        if not os.path.exists(os.path.join(out_dir, "spec.json")):  # replace earlier packs only
+            raise ValueError(f"rlx-tvm device-pack: {out_dir} is not empty and holds no device pack (spec.json); "
+                             "give a new or empty directory")
         shutil.rmtree(out_dir)
-    os.makedirs(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
     spec = {"target": str(target), "device": device, "scale": scale, "python": python_version, "kernels": []}
     selected = suite_kernels(kernels)
     for i, kernel in enumerate(selected):
@@ -86,13 +89,12 @@ def build_pack(out_dir: str, target, kernels=None, python_version: str | None = 
         library = f"{kernel.name}.so"
         rlx_compile(mod, target, tuning_log=tuning_log, verbose=False).export_library(os.path.join(out_dir, library))
         inputs = kernel.inputs(scale)
-        outputs = [o.shape for o in mod["main"].ret_ty.fields]
+        outputs = [SimpleNamespace(shape=[int(d) for d in o.shape.values]) for o in mod["main"].ret_ty.fields]
         spec["kernels"].append({
             "name": kernel.name, "library": library,
             "inputs": [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype), "kind": kernel.shapes(scale)[n][1]}
                        for n, a in inputs.items()],
-            "bytes": sum(a.nbytes for n, a in inputs.items() if n not in kernel.shape_only)
-            + sum(4 * prod(int(d) for d in s.values) for s in outputs),
+            "bytes": kernel.bytes_moved(inputs, outputs),
             "flops": flops_of(kernel, scale),
         })
         progress(f"[{i + 1}/{len(selected)}] {kernel.name}: {library} "

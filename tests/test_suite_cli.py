@@ -380,6 +380,13 @@ def test_device_pack_runs_without_the_compiler(tmp_path, capsys):
     spec = json.loads((pack / "spec.json").read_text())
     assert [k["name"] for k in spec["kernels"]] == ["layer_norm_backward", "gather_backward"]
     assert spec["kernels"][0]["inputs"][0] == {"name": "x", "shape": [24, 64], "dtype": "float32", "kind": "normal"}
+    assert spec["kernels"][0]["bytes"] == 4 * (2 * 24 * 64 + 2 * 64) + 4 * (24 * 64 + 2 * 64)  # x, dy, gamma, beta; dx, dgamma, dbeta
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not empty and holds no device pack"):  # never wipes a directory
+        cli.main(["device-pack", "--target", "local", "--scale", "small", "--out", str(other), "--kernels", "relu_backward"])
+    assert (other / "notes.txt").exists()
     result = subprocess.run([sys.executable, str(pack / "device_time.py"), "--out", str(tmp_path / "r.json"),
                              "--repeats", "2", "--min-ms", "1"], cwd=tmp_path, capture_output=True, text=True,
                             env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=300)
