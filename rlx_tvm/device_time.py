@@ -187,7 +187,10 @@ def main(argv=None) -> int:
         a = torch.ones(24 << 20, device=device)
         b = torch.empty_like(a)
         copy_timer = _calibrated(lambda: b.copy_(a), sync, args.min_ms)
-    wanted = [k for k in args.kernels.split(",") if k] or [k["name"] for k in pack["kernels"]]
+    packed = [k["name"] for k in pack["kernels"]]
+    wanted = [k for k in args.kernels.split(",") if k] or packed
+    if set(wanted) - set(packed):
+        parser.error(f"not in this pack: {sorted(set(wanted) - set(packed))}; it has {packed}")
     results = []
     for i, spec in enumerate([k for k in pack["kernels"] if k["name"] in wanted]):
         t0 = time.time()
