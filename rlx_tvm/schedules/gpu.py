@@ -339,9 +339,9 @@ def schedule_gpu(mod: tvm.IRModule, target: Target) -> tuple[tvm.IRModule, dict[
                 break
         else:
             raise NotImplementedError(
-                f"rlx_tvm: no GPU schedule for kernel {gv.name_hint} on {target.kind.name}: neither dlight's rules "
-                "nor ThreadPerOutput give code that lowers for this target (e.g. a scatter whose data-dependent "
-                "writes are neither a complete nor a reduction block: thread binding refuses it)")
+                f"rlx_tvm: no GPU schedule for kernel {gv.name_hint} on {target.kind.name}: none of the rules (dlight's, "
+                "StagedReduction, ThreadPerOutput) gives code that lowers for this target (e.g. a scatter whose "
+                "data-dependent writes are neither a complete nor a reduction block: thread binding refuses it)")
     for gv, func in updates.items():
         mod.update_func(gv, func)
     return mod, chosen
