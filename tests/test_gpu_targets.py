@@ -120,6 +120,19 @@ def test_attention_products_are_tiled_in_shared_memory_on_cuda():
             assert len(tvm.support.nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")) > 1000
 
 
+def test_staged_reductions_build_for_metal_at_suite_shapes():
+    """The cooperative sums and tiled products build to Metal Shading Language too, with their
+    shared memory as threadgroup memory."""
+    names = ["attention_backward", "layer_norm_backward", "conv2d_backward_weight"]
+    mod = lower(suite_ir_module([suite_kernel(n) for n in names], "full"), METAL, schedule=False, tuning_log=None)
+    scheduled, chosen = schedule_gpu(mod, METAL)
+    staged = [n for n, rule in chosen.items() if rule == "StagedReduction"]
+    assert {"rlx_attention_backward_q", "rlx_layer_norm_backward_gamma", "rlx_conv2d_backward_weight"} <= set(staged)
+    kernels = _kernels(_device_source(tvm.compile(scheduled, target=METAL), "metal"), r"kernel void")
+    for name in staged:
+        assert any("threadgroup float" in b for k, b in kernels.items() if k.startswith(name + "_kernel")), name
+
+
 def test_decomposed_suite_schedules_and_builds_for_cuda(suite_mod):
     lowered = lower(DecomposeBackwardOps()(suite_mod), CUDA, tuning_log=None)
     funcs = _prim_funcs(lowered)
