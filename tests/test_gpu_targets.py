@@ -177,6 +177,60 @@ def test_vulkan_schedules_pass_gpu_verification_with_its_limits(suite_mod, threa
     assert checked >= len(GPU_SUITE)
 
 
+def _symbolic_batch_module():
+    """relu, layer norm (dx and dgamma), softmax-CE and attention backward with a symbolic batch."""
+    from tvm import relax
+
+    from rlx_tvm import ops
+
+    n = tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x, dy = (relax.Var(v, relax.TensorType([n, 768], "float32")) for v in ("x", "dy"))
+    g = relax.Var("g", relax.TensorType([768], "float32"))
+    labels = relax.Var("labels", relax.TensorType([n], "int64"))
+    q = relax.Var("q", relax.TensorType([n, 128, 4, 32], "float32"))
+    with bb.function("main", [x, g, dy, labels, q]):
+        with bb.dataflow():
+            outs = [bb.emit(e) for e in (
+                ops.relu_backward(x, dy), ops.layer_norm_backward_input(x, g, dy, axis=-1, eps=1e-5),
+                ops.layer_norm_backward_gamma(x, dy, axis=-1, eps=1e-5),
+                ops.softmax_cross_entropy_backward(x, labels, relax.op.sum(dy, axis=[1])),
+                ops.attention_backward(q, q, q, q, wrt="v", causal_mask="TopLeft"))]
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_symbolic_batch_kernels_build_for_gpus():
+    """A dynamic batch makes the grid size symbolic, which TVM's GPU verifier cannot check (an
+    internal error): until 2026-12-06 every such kernel was refused for every GPU target. Now CUDA
+    (nvcc) and Vulkan (verified with its limits) build them, with the same rules as static ones."""
+    mod = _symbolic_batch_module()
+    lowered = lower(mod, CUDA, schedule=False, tuning_log=None)
+    _, chosen = schedule_gpu(lowered, CUDA)
+    assert chosen["rlx_layer_norm_backward_gamma"] == "StagedReduction", chosen
+    src = _device_source(rlx_tvm.compile(mod, CUDA, tuning_log=None), "cuda")
+    if shutil.which("nvcc") is not None:
+        with CUDA:
+            assert len(tvm.support.nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")) > 1000
+    vulkan, _ = schedule_gpu(lower(mod, VULKAN, schedule=False, tuning_log=None), VULKAN)  # within its limits
+    assert all("tirx.is_scheduled" in f.attrs for f in _prim_funcs(vulkan).values())
+
+
+def test_limits_are_checked_for_symbolic_grids():
+    """What the verifier would check, checked without it: threads per block and shared memory."""
+    from rlx_tvm.schedules.gpu import _fits
+
+    scheduled, _ = schedule_gpu(lower(_symbolic_batch_module(), CUDA, schedule=False, tuning_log=None), CUDA)
+    devices = _device_funcs(scheduled["rlx_layer_norm_backward_gamma"], CUDA)
+    limits = gpu_limits(CUDA)
+    with pytest.raises(tvm.error.InternalError):  # what TVM's verifier does with a symbolic grid
+        tvm.s_tir.analysis.verify_gpu_code(devices[0], limits)
+    assert all(_fits(f, limits) for f in devices)
+    assert not all(_fits(f, {**limits, "max_threads_per_block": 16}) for f in devices)  # blocks of 256 or 512
+    assert not all(_fits(f, {**limits, "max_shared_memory_per_block": 0}) for f in devices)  # the column sum's
+
+
 def test_vulkan_spirv_emission():
     if tvm.get_global_func("target.build.vulkan", allow_missing=True) is None:
         pytest.skip("this TVM build has no Vulkan (SPIR-V) codegen (USE_VULKAN OFF): schedules are verified, "

@@ -290,11 +290,38 @@ def _lowers_for(func: tirx.PrimFunc, target: Target) -> bool:
         limits = gpu_limits(target)
         for dmod in device_mods.values():
             for f in dmod.functions.values():
-                if isinstance(f, tirx.PrimFunc) and not s_tir.analysis.verify_gpu_code(f, limits):
+                if isinstance(f, tirx.PrimFunc) and not _fits(f, limits):
                     return False
         return True
     except Exception:  # noqa: BLE001 - a rule's output that cannot be lowered is just not a candidate
         return False
+
+
+def _fits(device_func: tirx.PrimFunc, limits: dict[str, int]) -> bool:
+    """TVM's ``verify_gpu_code``, which fails an internal check on a launch extent that is not a
+    constant: a grid that grows with a symbolic batch (until 2026-12-06 every kernel with a
+    dynamic batch was refused for every GPU target). For those, what it checks that matters here:
+    constant thread extents, threads per block and shared memory within the limits."""
+    try:
+        return bool(s_tir.analysis.verify_gpu_code(device_func, limits))
+    except tvm.error.InternalError:
+        pass
+    threads: dict[str, int | None] = {}
+    shared = [0]
+
+    def attr(node):
+        if node.attr_key == "thread_extent" and str(node.node.thread_tag).startswith("threadIdx"):
+            threads[str(node.node.thread_tag)] = static_int(node.value)
+
+    def alloc(node):
+        if node.buffer.scope() == "shared":
+            dims = [static_int(d) for d in node.buffer.shape]
+            shared[0] += (1 << 40) if None in dims else prod(dims) * tvm.DataType(node.buffer.dtype).bits // 8
+
+    tvm_ffi.structural_walk(device_func.body, [(tirx.AttrStmt, attr), (tirx.AllocBuffer, alloc)])
+    if None in threads.values():
+        return False
+    return prod(threads.values()) <= limits["max_threads_per_block"] and shared[0] <= limits["max_shared_memory_per_block"]
 
 
 def _binds_threads(func: tirx.PrimFunc) -> bool:
