@@ -314,7 +314,7 @@ def _fits(device_func: tirx.PrimFunc, limits: dict[str, int]) -> bool:
             threads[str(node.node.thread_tag)] = static_int(node.value)
 
     def alloc(node):
-        if node.buffer.scope() == "shared":
+        if node.buffer.scope().startswith("shared"):  # "shared" and "shared.dyn"
             dims = [static_int(d) for d in node.buffer.shape]
             shared[0] += (1 << 40) if None in dims else prod(dims) * tvm.DataType(node.buffer.dtype).bits // 8
 
