@@ -112,15 +112,15 @@ class StagedReduction(GPUScheduleRule):
             if len(kinds) != len(sch.get_loops(info.block_rv)) or n_spatial == 0 \
                     or kinds[n_spatial:] != "R" * (len(kinds) - n_spatial):
                 return None
-            if n_spatial == len(kinds):
-                plans.append((self._elementwise, info.block_rv, n_spatial))
+            if n_spatial == len(kinds):  # elementwise
+                plans.append((self._thread_per_output, info.block_rv, n_spatial))
                 continue
             product = _product_roles(sch, info, n_spatial)
             if product is not None and self._many_outputs(info, n_spatial):
                 plans.append((partial(self._tiled_product, roles=product), info.block_rv, n_spatial))
                 cooperative = True
             elif not self._few_long_sums(info, n_spatial):
-                plans.append((self._sum_per_thread, info.block_rv, n_spatial))
+                plans.append((self._thread_per_output, info.block_rv, n_spatial))
             elif is_column_reduction(sch, info.block_rv, n_spatial):
                 plans.append((self._column_sum, info.block_rv, n_spatial))
                 cooperative = True
@@ -175,7 +175,7 @@ class StagedReduction(GPUScheduleRule):
                 trial.bind(ty, "threadIdx.y")
                 trial.bind(tx, "threadIdx.x")
         except s_tir.ScheduleError:
-            self._sum_per_thread(sch, block, n_spatial, threads)
+            self._thread_per_output(sch, block, n_spatial, threads)
             return sch
         return trial
 
@@ -186,22 +186,17 @@ class StagedReduction(GPUScheduleRule):
         of 576): a thread per output fills the GPU there, and splitting the sums would only add
         the shared-memory step. A symbolic sum length counts as long, a symbolic output count as
         many."""
-        extents = [it.dom for it in info.iters]
-        outputs, reduced = extents[:n_spatial], extents[n_spatial:]
-        if not all(isinstance(e, int) for e in outputs) or prod(outputs) >= self.max_outputs:
+        if self._many_outputs(info, n_spatial):
             return False
+        reduced = [it.dom for it in info.iters[n_spatial:]]
         return not all(isinstance(e, int) for e in reduced) or prod(reduced) >= self.min_reduction
 
     @staticmethod
     def _fused(sch, loops):
         return sch.fuse(*loops) if len(loops) > 1 else loops[0]
 
-    def _elementwise(self, sch, block, _n_spatial, threads):
-        bx, tx = sch.split(self._fused(sch, sch.get_loops(block)), factors=[None, threads])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-
-    def _sum_per_thread(self, sch, block, n_spatial, threads):
+    def _thread_per_output(self, sch, block, n_spatial, threads):
+        """The output loops over blocks of ``threads`` threads; a sum, if any, serial in each."""
         loops = sch.get_loops(block)
         bx, tx = sch.split(self._fused(sch, loops[:n_spatial]), factors=[None, threads])
         sch.bind(bx, "blockIdx.x")
