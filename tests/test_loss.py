@@ -240,6 +240,32 @@ def test_cpu_row_kernel_prefetches_the_next_row():
             np.testing.assert_allclose(got, case.reference("float32"), rtol=1e-5, atol=1e-6, err_msg=case.name)
 
 
+def test_cpu_kernel_label_on_every_class_and_out_of_range():
+    """The CPU kernel compares class and label as (vector block, place in block): a label on every
+    class, on both sides of each block edge (rows of 40 and 48 with 8- and 16-wide vectors), and
+    labels past either end (C, C + 16, -1, -17, 2^40: an empty one-hot row), fp32 and fp64, static
+    and symbolic rows."""
+    from rlx_tvm import build
+    from rlx_tvm.schedules.tune import cpu_target
+
+    for c in (40, 48):
+        labels = np.array([*range(c), c, c + 16, -1, -17, 1 << 40, -100], np.int64)
+        n = len(labels)
+        case = Case("softmax_cross_entropy_backward",
+                    {"logits": RNG.standard_normal((n, c)), "labels": labels, "d_loss": RNG.standard_normal(n)},
+                    {"label_smoothing": 0.1}, batch=SYMBOLIC_N_BW, label=f"labels over {c} classes")
+        for dtype, symbolic in [("float32", False), ("float64", True)]:
+            lowered = build.lower(build_module([case], dtype, symbolic), cpu_target(), tuning_log=None, verbose=False)
+            vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+            got = vm["case_0"](*[tvm.runtime.tensor(a) for a in case.cast_inputs(dtype).values()]).numpy()
+            want = case.reference(dtype)
+            tol = 1e-5 if dtype == "float32" else 1e-12
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"{c} classes {dtype}")
+            # the label's own class gets p - (1 - ls) - ls / C < 0 times d_loss: each label is seen
+            hit = (got[np.arange(c), np.arange(c)] * case.inputs["d_loss"][:c].astype(dtype))
+            assert (hit < 0).all(), f"{c} classes {dtype}"
+
+
 def test_bad_input_labels():
     z = tensor_var("logits", (4, 5))
     assert_op_error(lambda: ops.softmax_cross_entropy(z, tensor_var("labels", (4,), "float32")),
