@@ -34,7 +34,10 @@ _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693359375  # ln 2 split so that n * _LN2_HI is exact in float32 for |n| <= 2^9
 _LN2_LO = -2.12194440e-4
 _EXP_HI = 88.72283935546875  # ln(float32 max): exp overflows above
-_EXP_LO = -104.0  # exp is below half the smallest float32 denormal here: 0
+# The arguments are clamped to [_EXP_LO, _EXP_HI]. At _EXP_LO the result is exactly 0 (2^-159 times
+# the polynomial, below half the smallest float32 denormal; exp(x) rounds to 0 from x < -103.98):
+# no select is needed for underflow.
+_EXP_LO = -110.0
 
 
 def _f32(v: float):
@@ -80,7 +83,6 @@ def _exp_in_range_f32(xc):
 def exp_f32(x):
     """exp(x) for float32, every input (overflow to inf, underflow to 0, NaN passed through)."""
     y = _exp_in_range_f32(tirx.min(tirx.max(x, _f32(_EXP_LO)), _f32(_EXP_HI)))
-    y = tirx.Select(x <= _f32(_EXP_LO), _f32(0.0), y)
     y = tirx.Select(x > _f32(_EXP_HI), _f32(float("inf")), y)
     return _nan_passthrough(x, y)
 
@@ -89,7 +91,7 @@ def exp_nonpositive_f32(x, pass_nan=True):
     """exp(x) for a float32 x <= 0 or NaN (exp(z - max z), exp(-|x|), exp(-z^2)): no overflow to
     handle. ``pass_nan=False`` for callers whose result takes a NaN from x elsewhere: a NaN x then
     gives a number here."""
-    y = tirx.Select(x <= _f32(_EXP_LO), _f32(0.0), _exp_in_range_f32(tirx.max(x, _f32(_EXP_LO))))
+    y = _exp_in_range_f32(tirx.max(x, _f32(_EXP_LO)))
     return _nan_passthrough(x, y) if pass_nan else y
 
 
