@@ -5,6 +5,7 @@ per-row d_loss), bad input, and the gradient rule of the forward op."""
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from rlx_tvm import autodiff, ops
@@ -209,11 +210,31 @@ def test_half_precision():
 # -- bad input ------------------------------------------------------------------------------------
 
 
+def _serial_loops_around(func, names):
+    """The serial loops whose body holds blocks of all ``names``, with the prefetch calls in each."""
+    found = []
+
+    def visit(loop):
+        if loop.kind != tvm.tirx.ForKind.SERIAL:
+            return None
+        blocks, calls = set(), []
+        tvm_ffi.structural_walk(loop.body, (tvm.s_tir.SBlock, lambda b: blocks.add(b.name_hint)), order="post")
+        tvm_ffi.structural_walk(loop.body, (tvm.tirx.Evaluate, lambda c: calls.append(c) if "prefetch" in str(c) else None),
+                                order="post")
+        if set(names) <= blocks:
+            found.append((loop, calls))
+        return None
+
+    tvm_ffi.structural_walk(func.body, (tvm.tirx.For, visit), order="post")
+    return found
+
+
 def test_cpu_row_kernel_prefetches_the_next_row():
     """With default CPU schedules the backward kernel runs its passes per row in one parallel row
-    loop, and its exp pass prefetches the next row of logits (for reading) and of the output (for
-    writing), never an intermediate: rows of 8-wide vectors, rows that end mid cache line, static
-    and symbolic row counts; results unchanged."""
+    loop; its exp pass also sums the exponentials (no pass of its own that reads them back) and
+    prefetches the next row of logits (for reading) and of the output (for writing), never an
+    intermediate: rows of 8-wide vectors, rows that end mid cache line, static and symbolic row
+    counts; results unchanged."""
     from rlx_tvm import build
     from rlx_tvm.schedules.prefetch import ANNOTATION, prefetch_next_row
     from rlx_tvm.schedules.tune import cpu_target
@@ -231,6 +252,9 @@ def test_cpu_row_kernel_prefetches_the_next_row():
             assert any("address_of(softmax_cross_entropy_backward[" in p and p.rstrip().endswith("1, 3, 1)")
                        for p in prefetches), prefetches
             assert not [p for p in prefetches if "logits[" not in p and "softmax_cross_entropy_backward[" not in p]
+            exp_and_sum = _serial_loops_around(f, ["shifted_exp", "row_sum_exp_rf"])
+            assert exp_and_sum, script  # the partial sums in the exp pass
+            assert any(calls for _, calls in exp_and_sum), script  # where the prefetches are
             assert ANNOTATION not in script
             assert prefetch_next_row(f).same_as(f)  # nothing left to rewrite
         vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())

@@ -108,6 +108,9 @@ class ParallelFallback(CPUScheduleRule):
                 # Regenerated in block-var order, rfactor's lane axis first (unit loops dropped).
                 lane_loop, *rest = sch.get_loops(partial)[depth:]
                 sch.reorder(*rest, lane_loop)
+                fused_sum = _sum_where_produced(sch.copy(), partial, depth)
+                if fused_sum is not None:
+                    sch, lane_loop = fused_sum
                 _partial_sums_in_registers(sch, partial, lane_loop, chains, width)
             for stage in [*producers, out]:  # the last stage and kept elementwise ones
                 self._vectorize_inner(sch, stage, depth, lanes)
@@ -453,6 +456,35 @@ def _independent(sch: s_tir.Schedule, blocks: list, block) -> bool:
     mine = [r.source for r in sch.get(block).reads] + mine_written
     return not any(x.same_as(w) for x in mine for w in written) and \
         not any(w.same_as(r) for w in mine_written for r in read)
+
+
+def _sum_where_produced(sch: s_tir.Schedule, partial, depth: int) -> tuple | None:
+    """The partial sums of an elementwise stage of the row (softmax-CE's ``exp(z - max)``, kept for
+    the gradient) computed in the stage's own loop, a chunk of vectors at a time, instead of a
+    pass of their own that reads the row back (softmax-CE backward: 4.8 -> 4.4 us per row of 8192
+    in cache). Returns ``(sch, lane loop)``, or None where the partial sums do not read exactly
+    one such stage along their one reduction loop (``sch`` is then a spoiled copy)."""
+    *rest, lane_loop = sch.get_loops(partial)[depth:]
+    producers = sch.get_producers(partial)
+    if len(rest) != 1 or len(producers) != 1:
+        return None
+    stage = producers[0]
+    stmt = sch.get(stage)
+    stage_loops = sch.get_loops(stage)[depth:]
+    chunks = static_int(sch.get(rest[0]).extent)
+    if len(stage_loops) != 1 or _n_spatial(sch, stage) != len(stmt.iter_vars) \
+            or not isinstance(stmt.body, tirx.BufferStore) or chunks is None \
+            or static_int(sch.get(stage_loops[0]).extent) != chunks * static_int(sch.get(lane_loop).extent):
+        return None
+    try:
+        chunk, _ = sch.split(stage_loops[0], factors=[chunks, None])
+        sch.reverse_compute_at(partial, chunk)
+    except s_tir.ScheduleError:
+        return None
+    loops = sch.get_loops(partial)[depth:]
+    if len(loops) != 2:  # the chunk loop and one loop over its lanes: nothing recomputed
+        return None
+    return sch, loops[1]
 
 
 def _partial_sums_in_registers(sch: s_tir.Schedule, partial, lane_loop, chains: int, width: int) -> None:

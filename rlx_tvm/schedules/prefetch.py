@@ -6,7 +6,7 @@ over one row back to back inside a parallel loop over the rows (softmax-CE backw
 only the last streams it out; in between the core computes on cached data and issues no memory
 traffic, and the hardware prefetcher, driven by demand misses, does not run ahead into the next
 row. :data:`ANNOTATION` on the row loop asks :func:`prefetch_next_row` to fill that gap: inside
-the longest vector-step loop of the row (the ``exp`` pass) each step prefetches its share of the
+the pass over the row that computes the most (the ``exp`` pass) each step prefetches its share of the
 next row's lines of every ``[rows, cols]`` buffer the row touches, for writing where the row
 writes it (softmax-CE at (2048, 8192): 8.2-8.9 -> 6.7-6.9 ms, same machine and run).
 
@@ -62,19 +62,36 @@ def _row_buffers(loop: tirx.For, intermediates: list) -> dict:
     return found
 
 
-def _longest_vector_step_loop(loop: tirx.For) -> tirx.For | None:
-    """The serial loop with the most iterations among those directly around a vectorized loop."""
-    best: list = []
+def _work(stmt) -> int:
+    """Arithmetic executed by ``stmt``: expression nodes stored, times the iterations around them
+    (static loops; others count once)."""
+    if isinstance(stmt, tirx.For):
+        return (static_int(stmt.extent) or 1) * _work(stmt.body)
+    if isinstance(stmt, tirx.SeqStmt):
+        return sum(_work(s) for s in stmt.seq)
+    if isinstance(stmt, s_tir.SBlockRealize):
+        return _work(stmt.block.body)
+    if isinstance(stmt, tirx.BufferStore):
+        nodes = [0]
 
-    def visit(node):
-        if node.kind == tirx.ForKind.SERIAL and static_int(node.extent) \
-                and isinstance(node.body, tirx.For) and node.body.kind == tirx.ForKind.VECTORIZED:
-            if not best or static_int(node.extent) > static_int(best[0].extent):
-                best[:] = [node]
-        return None
+        def count(_node):
+            nodes[0] += 1
+            return None
 
-    tvm_ffi.structural_walk(loop.body, (tirx.For, visit), order="post")
-    return best[0] if best else None
+        tvm_ffi.structural_walk(stmt.value, (tvm.ir.expr.Expr, count), order="post")
+        return nodes[0]
+    body = getattr(stmt, "body", None)
+    return _work(body) if isinstance(body, tirx.Stmt) else 0
+
+
+def _busiest_pass(row: tirx.For) -> tirx.For | None:
+    """The pass over the row (a static serial loop right under the row loop) that does the most
+    arithmetic: there the next row's lines arrive while the core is busy (softmax-CE: the
+    ``exp`` pass, not the gradient's pass that streams the row out)."""
+    body = row.body
+    passes = [s for s in (body.seq if isinstance(body, tirx.SeqStmt) else [body])
+              if isinstance(s, tirx.For) and s.kind == tirx.ForKind.SERIAL and static_int(s.extent)]
+    return max(passes, key=_work, default=None)
 
 
 def _prefetches(row: tirx.For, step: tirx.For, buffers: dict) -> list:
@@ -96,7 +113,7 @@ def _prefetches(row: tirx.For, step: tirx.For, buffers: dict) -> list:
 
 def _with_prefetch(row: tirx.For, intermediates: list) -> tirx.For:
     buffers = _row_buffers(row, intermediates)
-    step = _longest_vector_step_loop(row)
+    step = _busiest_pass(row)
     if not buffers or step is None:
         return row
     calls = _prefetches(row, step, buffers)
