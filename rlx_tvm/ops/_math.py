@@ -68,15 +68,21 @@ def _odd_series(x, coefficients):
     return x * acc
 
 
+# e^r on |r| <= ln2 / 2 as a polynomial of degree 6 (lowest degree first), fitted for this module
+# to relative error (least squares with Lawson's reweighting): 1.9e-9 in float64, below 1e-7 when
+# evaluated in float32. One multiply-add less than the degree-7 Taylor series it replaces.
+_EXP_POLY = (1.0000000005545797, 1.0000000363413992, 0.49999992075012584, 0.16666420086776992,
+             0.041668226310695604, 0.008374822840233775, 0.0013836823385086283)
+
+
 def _exp_in_range_f32(xc):
-    """exp(xc) for xc in [_EXP_LO, _EXP_HI]: xc = n ln2 + r with |r| <= ln2 / 2, e^r by its
-    Taylor series to degree 7 (truncation error below 6e-9 relative), 2^n assembled in the
-    exponent bits."""
+    """exp(xc) for xc in [_EXP_LO, _EXP_HI]: xc = n ln2 + r with |r| <= ln2 / 2, e^r by
+    ``_EXP_POLY``, 2^n assembled in the exponent bits."""
     n = tirx.floor(xc * _f32(_LOG2E) + _f32(0.5))
     r = xc - n * _f32(_LN2_HI) - n * _f32(_LN2_LO)
-    p = _f32(1.0 / 5040)
-    for k in (720, 120, 24, 6, 2, 1, 1):
-        p = p * r + _f32(1.0 / k)
+    p = _f32(_EXP_POLY[-1])
+    for c in reversed(_EXP_POLY[:-1]):
+        p = p * r + _f32(c)
     return _times_pow2_f32(p, n.astype("int32"))
 
 
