@@ -142,6 +142,29 @@ def test_gpu_form_of_gather_blocks_rows_and_skips_bad_indices():
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_cpu_form_of_gather_clears_every_row_in_parts():
+    """The CPU form's output cleared by memset in parts of whole rows (one per core): parts that
+    do not divide the rows (7 rows in 3 parts: 3 + 3 + 1), more parts than rows, two outer slices,
+    into an output that held NaN before; duplicate, negative and out-of-range indices."""
+    from rlx_tvm.ops.indexing import scatter_add_kernel
+
+    rng = np.random.default_rng(4)
+    for dtype, (outer, n_idx, inner, dim), parts in [("float32", (2, 40, 96, 7), 3), ("float64", (1, 9, 8, 2), 5),
+                                                      ("float32", (2, 5, 16, 6), 1)]:
+        func = scatter_add_kernel(dtype, dtype, "int64", outer, n_idx, inner, dim, clear_parts=parts)
+        assert func.script().count("llvm.memset") == 1
+        lib = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+        dy = rng.standard_normal((outer, n_idx, inner)).astype(dtype)
+        idx = rng.integers(-dim - 2, dim + 2, n_idx)
+        idx[0] = idx[1] = 0
+        out = tvm.runtime.tensor(np.full((outer, dim, inner), np.nan, dtype))
+        lib(tvm.runtime.tensor(dy), tvm.runtime.tensor(idx), out)
+        expected = np.zeros((outer, dim, inner))
+        keep = (idx >= -dim) & (idx < dim)
+        np.add.at(expected, (slice(None), idx[keep] % dim, slice(None)), dy[:, keep].astype(np.float64))
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5, err_msg=f"{dtype} {dim} rows, {parts} parts")
+
+
 # -- SPEC §8 traps ------------------------------------------------------------------------------
 
 
