@@ -127,6 +127,33 @@ def test_multi_stage_row_kernels_run_in_one_parallel_loop():
         _close(got, suite_reference(k, "small"), k.name)
 
 
+def test_pass_merging_skips_passes_with_unrolled_outer_loops():
+    """Two independent passes under one row loop whose outer loops are unrolled (as partial-sum
+    chain loops are): nothing to merge, and the merging returns (it used to retry the same pair
+    forever); a watchdog turns a hang into a failure."""
+    import signal
+
+    from tvm import te, tirx
+
+    from rlx_tvm.schedules.cpu import _merge_independent_passes
+
+    x = te.placeholder((tirx.IntImm("int64", 8), tirx.IntImm("int64", 4), tirx.IntImm("int64", 16)), "float32", name="x")
+    y = te.compute(x.shape, lambda i, a, b: x[i, a, b] * 2.0, name="y")
+    z = te.compute(x.shape, lambda i, a, b: x[i, a, b] + 1.0, name="z")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([x, y, z]))
+    rows = sch.merge(sch.get_loops(sch.get_sblock("y"))[0], sch.get_loops(sch.get_sblock("z"))[0])
+    for name in ("y", "z"):
+        sch.unroll(sch.get_loops(sch.get_sblock(name))[1])
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("pass merging did not return"))
+    signal.alarm(30)
+    try:
+        _merge_independent_passes(sch, rows, 1)
+    finally:
+        signal.alarm(0)
+    assert len(sch.get_child_blocks(rows)) == 2
+    assert all(sch.get(sch.get_loops(sch.get_sblock(n))[1]).kind == tirx.ForKind.UNROLLED for n in ("y", "z"))
+
+
 def test_default_schedules_cover_the_decomposed_suite():
     """The primitives the decompositions produce get default schedules too (all of them parallel
     where they have a spatial loop), and compute the same values."""

@@ -422,8 +422,10 @@ def _merge_independent_passes(sch: s_tir.Schedule, row_loop, depth: int) -> None
             if i is None:
                 continue
             moving = passes[i][1]
+            first, last = moving[0], blocks[0]
+            if any(sch.get(sch.get_loops(b)[depth]).kind != tirx.ForKind.SERIAL for b in (first, last)):
+                continue  # nothing would merge (an unrolled or vector outer loop): not a pair to retry
             if all(_independent(sch, moving, b) for _, between in passes[i + 1:j + 1] for b in between):
-                first, last = moving[0], blocks[0]
                 for level in range(depth, depth + len(nest)):
                     loops = [sch.get_loops(first)[level], sch.get_loops(last)[level]]
                     if any(sch.get(lp).kind != tirx.ForKind.SERIAL for lp in loops):
