@@ -61,6 +61,11 @@ def root_blocks(sch: s_tir.Schedule) -> list:
         return []
 
 
+def fuse_loops(sch: s_tir.Schedule, loops: list):
+    """``loops`` fused into one (a single loop as it is)."""
+    return sch.fuse(*loops) if len(loops) > 1 else loops[0]
+
+
 def uses(expr, var) -> bool:
     return any(v.same_as(var) for v in tirx.analysis.undefined_vars(expr))
 

@@ -20,7 +20,7 @@ from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
 from ..ops.registry import static_int
-from .common import inlined_blocks, is_column_reduction, uses
+from .common import fuse_loops, inlined_blocks, is_column_reduction, uses
 from .prefetch import ANNOTATION as PREFETCH_NEXT_ROW
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
@@ -191,7 +191,7 @@ class ParallelFallback(CPUScheduleRule):
                 loops = sch.get_loops(stage)[:n_row]
                 if group > 1:
                     loops[-1], _ = sch.split(loops[-1], factors=[None, group])
-                row = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+                row = fuse_loops(sch, loops)
                 # without chunk sums every row is a chunk (a unit loop over its rows)
                 chunk_loops.append(sch.split(row, factors=[chunks, None] if chunks else [None, 1])[0])
             for block in chunk_sums:  # (chunk, column, row in chunk) -> (chunk, row in chunk, column)
@@ -399,7 +399,7 @@ class ParallelFallback(CPUScheduleRule):
 
     def _parallel(self, sch: s_tir.Schedule, lead: list):
         """Fuse ``lead`` into one loop, parallel unless too short; returns it."""
-        fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
+        fused = fuse_loops(sch, lead)
         extent = static_int(sch.get(fused).extent)
         if extent is None or extent >= self.min_parallel_extent:
             sch.parallel(fused)
@@ -464,8 +464,9 @@ def _sum_where_produced(sch: s_tir.Schedule, partial, depth: int) -> tuple | Non
     """The partial sums of an elementwise stage of the row (softmax-CE's ``exp(z - max)``, kept for
     the gradient) computed in the stage's own loop, a chunk of vectors at a time, instead of a
     pass of their own that reads the row back (softmax-CE backward, one thread, rows in cache: 4.8
-    -> 4.4 us per row of 8192 before its label compare changed, 3.9 -> 3.8 after). Returns ``(sch, lane loop)``, or None where the partial sums do not read exactly
-    one such stage along their one reduction loop (``sch`` is then a spoiled copy)."""
+    -> 4.4 us per row of 8192 before its label compare changed, 3.9 -> 3.8 after). Returns
+    ``(sch, lane loop)``, or None where the partial sums do not read exactly one such stage along
+    their one reduction loop (``sch`` is then a spoiled copy)."""
     *rest, lane_loop = sch.get_loops(partial)[depth:]
     producers = sch.get_producers(partial)
     if len(rest) != 1 or len(producers) != 1:

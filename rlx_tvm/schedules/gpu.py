@@ -36,7 +36,7 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 from ..ops.registry import static_int
-from .common import inlined_blocks, is_column_reduction
+from .common import fuse_loops, inlined_blocks, is_column_reduction
 
 __all__ = ["StagedReduction", "ThreadPerOutput", "gpu_limits", "schedule_gpu"]
 
@@ -68,11 +68,15 @@ class ThreadPerOutput(GPUScheduleRule):
                 # spatial loops first (e.g. a scatter-add over indices, outer loop a reduction): each
                 # thread then owns distinct output elements and runs the reduction serially
                 sch.reorder(*spatial, *rest)
-            fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
-            bx, tx = sch.split(fused, factors=[None, threads])
-            sch.bind(bx, "blockIdx.x")
-            sch.bind(tx, "threadIdx.x")
+            _bind_thread_per_output(sch, spatial, threads)
         return sch
+
+
+def _bind_thread_per_output(sch: s_tir.Schedule, outputs: list, threads: int) -> None:
+    """The output loops fused and split over ``blockIdx.x`` x ``threadIdx.x`` (``threads`` each)."""
+    bx, tx = sch.split(fuse_loops(sch, outputs), factors=[None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
 
 
 class StagedReduction(GPUScheduleRule):
@@ -154,9 +158,9 @@ class StagedReduction(GPUScheduleRule):
             order = [*(loops[v] for v in batch), *(loops[v] for v in rows), *(loops[v] for v in cols),
                      *(loops[v] for v in reduced)]
             trial.reorder(*order)
-            b = self._fused(trial, [loops[v] for v in batch]) if batch else trial.add_unit_loop(loops[rows[0]])
-            r, c = self._fused(trial, [loops[v] for v in rows]), self._fused(trial, [loops[v] for v in cols])
-            k = self._fused(trial, [loops[v] for v in reduced])
+            b = fuse_loops(trial, [loops[v] for v in batch]) if batch else trial.add_unit_loop(loops[rows[0]])
+            r, c = fuse_loops(trial, [loops[v] for v in rows]), fuse_loops(trial, [loops[v] for v in cols])
+            k = fuse_loops(trial, [loops[v] for v in reduced])
             ro, ri = trial.split(r, factors=[None, tile])
             co, ci = trial.split(c, factors=[None, tile])
             ko, _ = trial.split(k, factors=[None, tile])
@@ -171,7 +175,7 @@ class StagedReduction(GPUScheduleRule):
                 staged = trial.cache_read(block, index, "shared", consumer_blocks=[block])  # not the buffer's other readers
                 trial.compute_at(staged, ko)
                 fetch = trial.get_loops(staged)[depth:]
-                _, ty, tx = trial.split(self._fused(trial, fetch), factors=[None, tile, tile])
+                _, ty, tx = trial.split(fuse_loops(trial, fetch), factors=[None, tile, tile])
                 trial.bind(ty, "threadIdx.y")
                 trial.bind(tx, "threadIdx.x")
         except s_tir.ScheduleError:
@@ -192,19 +196,13 @@ class StagedReduction(GPUScheduleRule):
         return not all(isinstance(e, int) for e in reduced) or prod(reduced) >= self.min_reduction
 
     @staticmethod
-    def _fused(sch, loops):
-        return sch.fuse(*loops) if len(loops) > 1 else loops[0]
-
-    def _thread_per_output(self, sch, block, n_spatial, threads):
+    def _thread_per_output(sch, block, n_spatial, threads):
         """The output loops over blocks of ``threads`` threads; a sum, if any, serial in each."""
-        loops = sch.get_loops(block)
-        bx, tx = sch.split(self._fused(sch, loops[:n_spatial]), factors=[None, threads])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
+        _bind_thread_per_output(sch, sch.get_loops(block)[:n_spatial], threads)
 
     def _row_reduction(self, sch, block, n_spatial, threads):
         loops = sch.get_loops(block)
-        row, reduced = self._fused(sch, loops[:n_spatial]), self._fused(sch, loops[n_spatial:])
+        row, reduced = fuse_loops(sch, loops[:n_spatial]), fuse_loops(sch, loops[n_spatial:])
         length = static_int(sch.get(reduced).extent)
         lanes = min(threads, self.row_threads, -(-length // self.warp) * self.warp if length else self.row_threads)
         _, lane = sch.split(reduced, factors=[None, lanes])
@@ -213,7 +211,7 @@ class StagedReduction(GPUScheduleRule):
 
     def _column_sum(self, sch, block, n_spatial, threads):
         loops = sch.get_loops(block)
-        columns, reduced = self._fused(sch, loops[:n_spatial]), self._fused(sch, loops[n_spatial:])
+        columns, reduced = fuse_loops(sch, loops[:n_spatial]), fuse_loops(sch, loops[n_spatial:])
         bx, tx = sch.split(columns, factors=[None, self.warp])
         steps, ty = sch.split(reduced, factors=[None, max(1, min(self.row_splits, threads // self.warp))])
         sch.reorder(bx, tx, ty, steps)

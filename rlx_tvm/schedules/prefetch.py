@@ -62,15 +62,15 @@ def _row_buffers(loop: tirx.For, intermediates: list) -> dict:
     return found
 
 
-def _work(stmt) -> int:
+def _arithmetic(stmt) -> int:
     """Arithmetic executed by ``stmt``: expression nodes stored, times the iterations around them
     (static loops; others count once)."""
     if isinstance(stmt, tirx.For):
-        return (static_int(stmt.extent) or 1) * _work(stmt.body)
+        return (static_int(stmt.extent) or 1) * _arithmetic(stmt.body)
     if isinstance(stmt, tirx.SeqStmt):
-        return sum(_work(s) for s in stmt.seq)
+        return sum(_arithmetic(s) for s in stmt.seq)
     if isinstance(stmt, s_tir.SBlockRealize):
-        return _work(stmt.block.body)
+        return _arithmetic(stmt.block.body)
     if isinstance(stmt, tirx.BufferStore):
         nodes = [0]
 
@@ -81,7 +81,7 @@ def _work(stmt) -> int:
         tvm_ffi.structural_walk(stmt.value, (tvm.ir.expr.Expr, count), order="post")
         return nodes[0]
     body = getattr(stmt, "body", None)
-    return _work(body) if isinstance(body, tirx.Stmt) else 0
+    return _arithmetic(body) if isinstance(body, tirx.Stmt) else 0
 
 
 def _busiest_pass(row: tirx.For) -> tirx.For | None:
@@ -91,7 +91,7 @@ def _busiest_pass(row: tirx.For) -> tirx.For | None:
     body = row.body
     passes = [s for s in (body.seq if isinstance(body, tirx.SeqStmt) else [body])
               if isinstance(s, tirx.For) and s.kind == tirx.ForKind.SERIAL and static_int(s.extent)]
-    return max(passes, key=_work, default=None)
+    return max(passes, key=_arithmetic, default=None)
 
 
 def _prefetches(row: tirx.For, step: tirx.For, buffers: dict) -> list:
