@@ -110,6 +110,10 @@ CASES = [
               ceil_mode=True),
     pool_case("ties: rounded input", np.round(RNG.standard_normal((2, 2, 6, 6))), fd=False,
               kernel_size=3, stride=2, padding=1),
+    # Rows of several 16-window vectors (the CPU kernel's unit), the last one partly past the
+    # row's windows; at width 65 the last input column is in no window (wo = 32: two full vectors).
+    pool_case("k3 s2 p1, wide rows", _distinct(1, 2, 9, 70), fd=False, kernel_size=3, stride=2, padding=1),
+    pool_case("k2 s2, wide rows, last column in no window", _distinct(2, 1, 4, 65), fd=False, kernel_size=2),
 ]
 CASE_BY_NAME = {c.name: c for c in CASES}
 
