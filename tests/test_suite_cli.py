@@ -253,11 +253,12 @@ def test_default_matmul_schedule_is_register_blocked_and_correct():
 
 
 def test_default_product_tiles_take_turns_on_reduction_blocks():
-    """Cache blocking of the register-blocked tile: a product whose reduction (32, 48 steps) holds
-    several blocks of 16 runs a block at a time for a group of 8 tiles of rows in turn (the
-    block's loads of the shared operand then come from L1); conv2d dx (32 output channels, the
-    reduction) gets the same, and its padding stage keeps its 18-wide rows as a loop of their own
-    under the parallel loop. A reduction of one block (16) is not split. All match NumPy."""
+    """Cache blocking of the register-blocked tile: a product whose reduction (32 steps) holds two
+    blocks of 16 runs a block at a time for a group of 8 tiles of rows in turn (the block's loads
+    of the shared operand then come from L1); conv2d dx (32 output channels, the reduction) gets
+    the same, and its padding stage keeps its 320 rows of 18 (no whole number of vectors) as a
+    loop of their own under the parallel loop. A reduction of one block (16) is not split. All
+    match NumPy."""
     rng = np.random.default_rng(6)
     arrays = [rng.standard_normal(s).astype("float32") for s in [(2, 64, 32), (2, 32, 64), (2, 64, 16), (2, 16, 64)]]
     bb = relax.BlockBuilder()
@@ -276,14 +277,14 @@ def test_default_product_tiles_take_turns_on_reduction_blocks():
            "blocked matmul")
 
     conv = suite_kernel("conv2d_backward_input")
-    shapes = {"x": ((1, 32, 4, 16), "normal"), "w": ((32, 32, 3, 3), "normal"), "dy": ((1, 32, 4, 16), "normal")}
+    shapes = {"x": ((1, 32, 8, 16), "normal"), "w": ((32, 32, 3, 3), "normal"), "dy": ((1, 32, 8, 16), "normal")}
     conv = dataclasses.replace(conv, shapes=lambda scale: shapes)
     lowered = build.lower(suite_module(conv, "small"), cpu_target(), tuning_log=None, verbose=False)
     (script,) = [f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     # 32 channels = one group of 8 tiles of 4 rows (16 columns: one vector), 2 blocks of 16 channels
     assert re.search(r"T\.grid\(T\.int64\(2\), T\.int64\(8\), T\.int64\(16\), T\.int64\(3\), T\.int64\(3\)\)",
                      script), script
-    assert re.search(r"T\.parallel\(T\.int64\(192\)\):\n\s+for \w+ in range\(T\.int64\(18\)\)", script), script
+    assert re.search(r"T\.parallel\(T\.int64\(320\)\):\n\s+for \w+ in range\(T\.int64\(18\)\)", script), script
     _close(_run(tvm.compile(lowered, target=cpu_target()), conv), suite_reference(conv, "small"), "blocked conv2d dx")
 
 

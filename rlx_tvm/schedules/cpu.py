@@ -321,7 +321,7 @@ class ParallelFallback(CPUScheduleRule):
                 outer, vec = sch.split(lead[-1], factors=[None, width])
                 sch.vectorize(vec)
                 lead[-1] = outer
-            elif len(lead) > 1 and inner_extent >= lanes // 2:
+            elif len(lead) > 1 and inner_extent >= lanes // 2 and _static_product(sch, lead[:-1]) >= MIN_ROWS_PARALLEL:
                 # Rows of no whole number of vectors (conv2d dx's padded 58-wide rows) stay a loop
                 # of their own, which LLVM vectorizes with a remainder; fused into the parallel
                 # loop, every element paid a division and a remainder per axis to find its indices
@@ -544,6 +544,12 @@ def _fuse_contiguous_tail(sch: s_tir.Schedule, block, loops: list, lanes: int) -
     return [*loops[:-2], sch.fuse(*loops[-2:])]
 
 
+def _static_product(sch: s_tir.Schedule, loops: list) -> float:
+    """The product of the loops' extents; infinite when one is symbolic."""
+    extents = [static_int(sch.get(loop).extent) for loop in loops]
+    return float("inf") if None in extents else prod(extents)
+
+
 def _vector_width(extent: int | None, lanes: int) -> int | None:
     """The widest vector, a whole one or a half (rows of 56: 8 lanes of 16), that divides a static
     ``extent``; None for a symbolic extent or when neither divides it."""
@@ -561,6 +567,7 @@ SMALL_WINDOW = 32  # taps of a window reduction (pooling) scheduled as vectors a
 
 ROW_TILE = 4  # rows of a register-blocked product tile: 4 x (up to 4 vectors) accumulators
 TILE_ACCUMULATORS = 16  # vector registers a tile may hold (fewer rows for longer tile rows)
+MIN_ROWS_PARALLEL = 256  # rows that alone make a parallel loop (a symbolic count is taken as enough)
 TILE_GROUP = 8  # tiles of rows that take turns on one block of the reduction (cache blocking)
 REDUCTION_BLOCK = 16  # steps of the outer reduction loop per block
 

@@ -299,34 +299,35 @@ def _fits(device_func: tirx.PrimFunc, limits: dict[str, int]) -> bool:
         return bool(s_tir.analysis.verify_gpu_code(device_func, limits))
     except tvm.error.InternalError:
         pass
-    threads: dict[str, int | None] = {}
+    threads = {tag: extent for tag, extent in _launch_extents(device_func) if tag.startswith("threadIdx")}
     shared = [0]
-
-    def attr(node):
-        if node.attr_key == "thread_extent" and str(node.node.thread_tag).startswith("threadIdx"):
-            threads[str(node.node.thread_tag)] = static_int(node.value)
 
     def alloc(node):
         if node.buffer.scope().startswith("shared"):  # "shared" and "shared.dyn"
             dims = [static_int(d) for d in node.buffer.shape]
             shared[0] += (1 << 40) if None in dims else prod(dims) * tvm.DataType(node.buffer.dtype).bits // 8
 
-    tvm_ffi.structural_walk(device_func.body, [(tirx.AttrStmt, attr), (tirx.AllocBuffer, alloc)])
+    tvm_ffi.structural_walk(device_func.body, (tirx.AllocBuffer, alloc))
     if None in threads.values():
         return False
     return prod(threads.values()) <= limits["max_threads_per_block"] and shared[0] <= limits["max_shared_memory_per_block"]
 
 
-def _binds_threads(func: tirx.PrimFunc) -> bool:
-    """Whether ``func`` launches its own threads (``thread_extent`` attributes in its body)."""
+def _launch_extents(func: tirx.PrimFunc) -> list[tuple[str, int | None]]:
+    """(thread tag, static extent or None) of every ``thread_extent`` attribute in ``func``."""
     found = []
 
     def visit(attr):
         if attr.attr_key == "thread_extent":
-            found.append(attr)
+            found.append((str(attr.node.thread_tag), static_int(attr.value)))
 
     tvm_ffi.structural_walk(func.body, (tirx.AttrStmt, visit))
-    return bool(found)
+    return found
+
+
+def _binds_threads(func: tirx.PrimFunc) -> bool:
+    """Whether ``func`` launches its own threads (``thread_extent`` attributes in its body)."""
+    return bool(_launch_extents(func))
 
 
 def schedule_gpu(mod: tvm.IRModule, target: Target) -> tuple[tvm.IRModule, dict[str, str]]:
