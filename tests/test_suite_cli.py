@@ -234,22 +234,30 @@ def test_default_matmul_schedule_is_register_blocked_and_correct():
     """A batched product whose right operand is shared by the rows of the left gets a tile of
     rows x vectors of accumulators in a local buffer; a row count that is not a multiple of the
     tile falls back to the plain column schedule. Both match NumPy."""
+    scripts = _default_matmuls([(2, 12, 16), (2, 16, 64), (2, 10, 16), (2, 16, 48)], "T.int64(10)", "matmul")
+    assert 'scope="local"' in scripts[0] and "T.unroll(T.int64(4))" in scripts[0], "12 rows: tiled"
+    assert 'scope="local"' not in scripts[1] and "T.vectorized" in scripts[1], "10 rows: not a multiple of 4"
+
+
+def _default_matmuls(shapes, second, what) -> list[str]:
+    """Two products (of arrays of ``shapes``, taken in pairs) in one module under default CPU
+    schedules, checked against NumPy; their kernels' TVMScript, the one containing ``second``
+    last."""
     rng = np.random.default_rng(4)
-    arrays = [rng.standard_normal(s).astype("float32") for s in [(2, 12, 16), (2, 16, 64), (2, 10, 16), (2, 16, 48)]]
+    arrays = [rng.standard_normal(s).astype("float32") for s in shapes]
     bb = relax.BlockBuilder()
     params = [relax.Var(f"a{i}", relax.TensorType(list(a.shape), "float32")) for i, a in enumerate(arrays)]
     with bb.function("main", params):
         outs = [relax.op.matmul(params[0], params[1]), relax.op.matmul(params[2], params[3])]
         bb.emit_func_output(relax.Tuple([bb.emit(o) for o in outs]))
     lowered = build.lower(bb.get(), cpu_target(), tuning_log=None, verbose=False)
-    scripts = sorted((f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)),
-                     key=lambda s: "T.int64(10)" in s)
-    assert len(scripts) == 2
-    assert 'scope="local"' in scripts[0] and "T.unroll(T.int64(4))" in scripts[0], "12 rows: tiled"
-    assert 'scope="local"' not in scripts[1] and "T.vectorized" in scripts[1], "10 rows: not a multiple of 4"
     vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
     got = [o.numpy() for o in vm["main"](*as_tensors(arrays))]
-    _close(got, [arrays[0] @ arrays[1], arrays[2] @ arrays[3]], "matmul")
+    _close(got, [arrays[0] @ arrays[1], arrays[2] @ arrays[3]], what)
+    scripts = sorted((f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)),
+                     key=lambda s: second in s)
+    assert len(scripts) == 2
+    return scripts
 
 
 def test_default_product_tiles_take_turns_on_reduction_blocks():
@@ -259,22 +267,11 @@ def test_default_product_tiles_take_turns_on_reduction_blocks():
     the same, and its padding stage keeps its 320 rows of 18 (no whole number of vectors) as a
     loop of their own under the parallel loop. A reduction of one block (16) is not split. All
     match NumPy."""
-    rng = np.random.default_rng(6)
-    arrays = [rng.standard_normal(s).astype("float32") for s in [(2, 64, 32), (2, 32, 64), (2, 64, 16), (2, 16, 64)]]
-    bb = relax.BlockBuilder()
-    params = [relax.Var(f"a{i}", relax.TensorType(list(a.shape), "float32")) for i, a in enumerate(arrays)]
-    with bb.function("main", params):
-        outs = [relax.op.matmul(params[0], params[1]), relax.op.matmul(params[2], params[3])]
-        bb.emit_func_output(relax.Tuple([bb.emit(o) for o in outs]))
-    lowered = build.lower(bb.get(), cpu_target(), tuning_log=None, verbose=False)
-    scripts = sorted((f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)),
-                     key=lambda s: "T.int64(16), T.int64(64)" in s)
+    scripts = _default_matmuls([(2, 64, 32), (2, 32, 64), (2, 64, 16), (2, 16, 64)], "T.int64(16), T.int64(64)",
+                               "blocked matmul")
     # 64 rows = 2 groups of 8 tiles of 4 rows; 32 steps = 2 blocks of 16, the group loop between
     assert re.search(r"T\.grid\(T\.int64\(2\), T\.int64\(8\), T\.int64\(16\)\)", scripts[0]), scripts[0]
     assert 'scope="local"' in scripts[1] and "T.int64(8), T.int64(16)" not in scripts[1], "one block: not split"
-    vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
-    _close([o.numpy() for o in vm["main"](*as_tensors(arrays))], [arrays[0] @ arrays[1], arrays[2] @ arrays[3]],
-           "blocked matmul")
 
     conv = suite_kernel("conv2d_backward_input")
     shapes = {"x": ((1, 32, 8, 16), "normal"), "w": ((32, 32, 3, 3), "normal"), "dy": ((1, 32, 8, 16), "normal")}
