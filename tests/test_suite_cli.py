@@ -241,8 +241,8 @@ def test_default_matmul_schedule_is_register_blocked_and_correct():
 
 def _default_matmuls(shapes, second, what) -> list[str]:
     """Two products (of arrays of ``shapes``, taken in pairs) in one module under default CPU
-    schedules, checked against NumPy; their kernels' TVMScript, the one containing ``second``
-    last."""
+    schedules for this CPU as a 2-core target (the tiles' grouping depends on the core count),
+    checked against NumPy; their kernels' TVMScript, the one containing ``second`` last."""
     rng = np.random.default_rng(4)
     arrays = [rng.standard_normal(s).astype("float32") for s in shapes]
     bb = relax.BlockBuilder()
@@ -250,8 +250,9 @@ def _default_matmuls(shapes, second, what) -> list[str]:
     with bb.function("main", params):
         outs = [relax.op.matmul(params[0], params[1]), relax.op.matmul(params[2], params[3])]
         bb.emit_func_output(relax.Tuple([bb.emit(o) for o in outs]))
-    lowered = build.lower(bb.get(), cpu_target(), tuning_log=None, verbose=False)
-    vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+    target = cpu_target(num_cores=2)
+    lowered = build.lower(bb.get(), target, tuning_log=None, verbose=False)
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=target), tvm.cpu())
     got = [o.numpy() for o in vm["main"](*as_tensors(arrays))]
     _close(got, [arrays[0] @ arrays[1], arrays[2] @ arrays[3]], what)
     scripts = sorted((f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)),
@@ -264,25 +265,27 @@ def test_default_product_tiles_take_turns_on_reduction_blocks():
     """Cache blocking of the register-blocked tile: a product whose reduction (32 steps) holds two
     blocks of 16 runs a block at a time for a group of 8 tiles of rows in turn (the block's loads
     of the shared operand then come from L1); conv2d dx (32 output channels, the reduction) gets
-    the same, and its padding stage keeps its 320 rows of 18 (no whole number of vectors) as a
+    the same, and its padding stage keeps its 640 rows of 18 (no whole number of vectors) as a
     loop of their own under the parallel loop. A reduction of one block (16) is not split. All
     match NumPy."""
-    scripts = _default_matmuls([(2, 64, 32), (2, 32, 64), (2, 64, 16), (2, 16, 64)], "T.int64(16), T.int64(64)",
+    scripts = _default_matmuls([(8, 64, 32), (8, 32, 64), (2, 64, 16), (2, 16, 64)], "T.int64(16), T.int64(64)",
                                "blocked matmul")
-    # 64 rows = 2 groups of 8 tiles of 4 rows; 32 steps = 2 blocks of 16, the group loop between
+    # 64 rows = 2 groups of 8 tiles of 4 rows (8 x 2 = 16 parallel iterations, 8 per core); 32
+    # steps = 2 blocks of 16, the group loop between
     assert re.search(r"T\.grid\(T\.int64\(2\), T\.int64\(8\), T\.int64\(16\)\)", scripts[0]), scripts[0]
     assert 'scope="local"' in scripts[1] and "T.int64(8), T.int64(16)" not in scripts[1], "one block: not split"
 
     conv = suite_kernel("conv2d_backward_input")
-    shapes = {"x": ((1, 32, 8, 16), "normal"), "w": ((32, 32, 3, 3), "normal"), "dy": ((1, 32, 8, 16), "normal")}
+    shapes = {"x": ((2, 32, 8, 16), "normal"), "w": ((32, 32, 3, 3), "normal"), "dy": ((2, 32, 8, 16), "normal")}
     conv = dataclasses.replace(conv, shapes=lambda scale: shapes)
-    lowered = build.lower(suite_module(conv, "small"), cpu_target(), tuning_log=None, verbose=False)
+    target = cpu_target(num_cores=2)
+    lowered = build.lower(suite_module(conv, "small"), target, tuning_log=None, verbose=False)
     (script,) = [f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     # 32 channels = one group of 8 tiles of 4 rows (16 columns: one vector), 2 blocks of 16 channels
     assert re.search(r"T\.grid\(T\.int64\(2\), T\.int64\(8\), T\.int64\(16\), T\.int64\(3\), T\.int64\(3\)\)",
                      script), script
-    assert re.search(r"T\.parallel\(T\.int64\(320\)\):\n\s+for \w+ in range\(T\.int64\(18\)\)", script), script
-    _close(_run(tvm.compile(lowered, target=cpu_target()), conv), suite_reference(conv, "small"), "blocked conv2d dx")
+    assert re.search(r"T\.parallel\(T\.int64\(640\)\):\n\s+for \w+ in range\(T\.int64\(18\)\)", script), script
+    _close(_run(tvm.compile(lowered, target=target), conv), suite_reference(conv, "small"), "blocked conv2d dx")
 
 
 def test_target_key_names_cpu_and_cores():

@@ -9,6 +9,7 @@ pooling/scatter backward, multi-stage fused kernels).
 
 from __future__ import annotations
 
+import os
 from math import prod
 
 import tvm_ffi
@@ -51,7 +52,7 @@ class ParallelFallback(CPUScheduleRule):
             if fused is not None:
                 return fused
         for info in blocks:
-            self._schedule_block(sch, info, lanes)
+            self._schedule_block(sch, info, lanes, _cores(target))
         return sch
 
     def _fuse_rows(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
@@ -296,7 +297,7 @@ class ParallelFallback(CPUScheduleRule):
         init = sch.decompose_reduction(block, reduced[0])
         sch.vectorize(sch.get_loops(init)[-1])
 
-    def _schedule_block(self, sch: s_tir.Schedule, info, lanes: int) -> None:
+    def _schedule_block(self, sch: s_tir.Schedule, info, lanes: int, cores: int) -> None:
         block = info.block_rv
         loops = sch.get_loops(block)
         kinds = info.dom_kind()
@@ -306,7 +307,7 @@ class ParallelFallback(CPUScheduleRule):
         lead = list(loops[:n_lead])
         if kinds.strip("R") == "S" * n_lead:  # S...S R...R: a reduction
             if is_column_reduction(sch, block, n_lead):
-                return self._schedule_column_reduction(sch, block, lead, list(loops[n_lead:]), lanes)
+                return self._schedule_column_reduction(sch, block, lead, list(loops[n_lead:]), lanes, cores)
             width = self._window_width(sch, info, lanes)
             if width is not None:
                 return self._schedule_window(sch, block, lead, list(loops[n_lead:]), width)
@@ -329,7 +330,7 @@ class ParallelFallback(CPUScheduleRule):
                 return self._parallel(sch, lead[:-1])
         self._parallel(sch, lead)
 
-    def _schedule_column_reduction(self, sch, block, lead, reduction_loops, lanes: int) -> None:
+    def _schedule_column_reduction(self, sch, block, lead, reduction_loops, lanes: int, cores: int) -> None:
         """out[..., j] = sum_r f(in[r, ..., j]) (gamma/beta gradients, sums over leading axes): the
         columns are split into chunks of whole vectors; each thread takes whole chunks and walks all
         the rows, so every read is a contiguous vector and no two threads write the same output.
@@ -358,7 +359,9 @@ class ParallelFallback(CPUScheduleRule):
             # 13.0-13.1 ms with 2 rows).
             vectors = width // lanes if width % lanes == 0 else width // (lanes // 2)
             tile_rows = ROW_TILE if ROW_TILE * vectors <= TILE_ACCUMULATORS else max(1, TILE_ACCUMULATORS // vectors)
-            blocked = _reduction_blocking(sch, lead[tiled], tile_rows, reduction_loops[0])
+            parallel_work = _static_product(sch, [*outer, chunks]) / tile_rows
+            blocked = _reduction_blocking(sch, lead[tiled], tile_rows, reduction_loops[0], parallel_work,
+                                          TILES_PER_CORE * cores)
             if blocked is None:
                 rows, row = sch.split(lead[tiled], factors=[None, tile_rows])
             else:
@@ -544,6 +547,11 @@ def _fuse_contiguous_tail(sch: s_tir.Schedule, block, loops: list, lanes: int) -
     return [*loops[:-2], sch.fuse(*loops[-2:])]
 
 
+def _cores(target: Target) -> int:
+    """The target's ``num-cores``, else this machine's CPU count."""
+    return int(target.attrs.get("num-cores") or os.cpu_count() or 1)
+
+
 def _static_product(sch: s_tir.Schedule, loops: list) -> float:
     """The product of the loops' extents; infinite when one is symbolic."""
     extents = [static_int(sch.get(loop).extent) for loop in loops]
@@ -570,6 +578,7 @@ TILE_ACCUMULATORS = 16  # vector registers a tile may hold (fewer rows for longe
 MIN_ROWS_PARALLEL = 256  # rows that alone make a parallel loop (a symbolic count is taken as enough)
 TILE_GROUP = 8  # tiles of rows that take turns on one block of the reduction (cache blocking)
 REDUCTION_BLOCK = 16  # steps of the outer reduction loop per block
+TILES_PER_CORE = 8  # parallel iterations per core that grouping tiles must leave
 
 
 def _row_group(stmt, row_extents: list) -> int | None:
@@ -634,14 +643,17 @@ def _reused_row_axis(sch: s_tir.Schedule, block, n_spatial: int, tile: int) -> i
     return None
 
 
-def _reduction_blocking(sch: s_tir.Schedule, row_loop, tile_rows: int, reduction_loop) -> tuple[int, int] | None:
+def _reduction_blocking(sch: s_tir.Schedule, row_loop, tile_rows: int, reduction_loop,
+                        parallel_work: float, min_parallel: int) -> tuple[int, int] | None:
     """(tiles per group, reduction block) for a register-blocked tile over ``row_loop``: groups
     of up to ``TILE_GROUP`` tiles and blocks of ``REDUCTION_BLOCK`` steps of the outer reduction
-    loop, where both extents are static and divide; None otherwise."""
+    loop, where both extents are static and divide, and the parallel loop keeps at least
+    ``min_parallel`` iterations (``parallel_work`` of them without groups); None otherwise."""
     rows, steps = static_int(sch.get(row_loop).extent), static_int(sch.get(reduction_loop).extent)
     if rows is None or steps is None or steps % REDUCTION_BLOCK or steps == REDUCTION_BLOCK:
         return None
-    group = next((g for g in (TILE_GROUP, TILE_GROUP // 2, TILE_GROUP // 4) if rows % (g * tile_rows) == 0), None)
+    group = next((g for g in (TILE_GROUP, TILE_GROUP // 2, TILE_GROUP // 4)
+                  if rows % (g * tile_rows) == 0 and parallel_work / g >= min_parallel), None)
     return None if group is None or group == 1 else (group, REDUCTION_BLOCK)
 
 
