@@ -100,8 +100,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     _table(task_head, rows)
     print()
     _table(export_head, export_rows)
-    _write_tuning_record(os.path.join(log_dir, "TUNING.md"), key, target, args, faster, task_head, rows,
-                         export_head, export_rows)
+    record = os.path.join(log_dir, "TUNING.md")
+    rows = _with_earlier_rows(record, rows, [k.name for k in kernels])
+    _write_tuning_record(record, key, target, args, faster, task_head, rows, export_head, export_rows)
     print(f"\n{sum(r.kept for r in exported)} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1
 
@@ -166,6 +167,28 @@ def _us(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+EARLIER = "earlier run: "  # status prefix of a task row carried over from an earlier TUNING.md
+
+
+def _with_earlier_rows(path: str, rows: list, tuned_now: list[str]) -> list:
+    """This run's task rows, plus the rows of the earlier TUNING.md at ``path`` (if any) for suite
+    kernels this run did not take (``--kernels`` a subset), marked as from an earlier run; in the
+    suite's order. (The log keeps every kernel's records; its record of them should too.)"""
+    from .schedules.suite import SUITE
+
+    earlier = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if len(cells) == 5 and line.startswith("| ") and cells[0] not in ("suite kernel", *tuned_now) \
+                        and any(k.name == cells[0] for k in SUITE):
+                    status = cells[4] if cells[4].startswith(EARLIER) else EARLIER + cells[4]
+                    earlier.append((*cells[:4], status))
+    order = {k.name: i for i, k in enumerate(SUITE)}
+    return sorted([*rows, *earlier], key=lambda r: order.get(r[0], len(order)))  # stable within a kernel
+
+
 def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, export_head, export_rows) -> None:
     """The budget and outcome of the run that wrote a tuning log, next to it: per task the records
     in the work database (every trial of every run that tuned it), and per kernel whether the log
@@ -185,7 +208,9 @@ def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, 
              "run that tuned it; fewer than asked where the search ran out of distinct candidates)."
              + ("" if args.time_budget is None else
                 f" This run's time budget: {args.time_budget:g} s; a task it did not start says so, and its "
-                "records come from earlier runs."), "",
+                "records come from earlier runs.")
+             + (f" Rows marked `{EARLIER.strip()}` are kernels this run did not take (`--kernels`), as an "
+                "earlier run left them." if any(r[4].startswith(EARLIER) for r in task_rows) else ""), "",
              *md(task_head, task_rows), "",
              "Each kernel's best record, kept without comparing it with the default schedule (--keep-all):"
              if args.keep_all else "Each kernel's best record, re-measured against its default schedule at export "

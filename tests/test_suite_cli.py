@@ -317,6 +317,22 @@ def test_cli_tune_writes_a_pruned_log(cli_tuned, capsys):
     assert record.count("| yes |") == 2, record
 
 
+def test_cli_tune_of_other_kernels_keeps_the_earlier_rows(cli_tuned, tmp_path, capsys):
+    """``tune --kernels`` with a subset: TUNING.md keeps the task rows of the kernels it did not
+    take (marked as from an earlier run), in the suite's order, next to its own."""
+    _, work, log = cli_tuned
+    shutil.copytree(work, tmp_path / "work")
+    shutil.copytree(log, tmp_path / "log")
+    rc = cli.main(["tune", "--kernels", "relu_backward", "--scale", "small", "--trials", "4", "--time-budget", "0",
+                   "--keep-all", "--work-dir", str(tmp_path / "work"), "--log-dir", str(tmp_path / "log")])
+    record = (tmp_path / "log" / "TUNING.md").read_text()
+    rows = [line for line in record.splitlines() if line.startswith(("| relu_backward |", "| rms_norm_backward |"))]
+    assert rc == 0 and len(rows) == 3, record
+    assert rows[0].startswith("| relu_backward |") and "| skipped: time budget spent |" in rows[0]
+    assert all("| earlier run: tuned |" in row for row in rows[1:]), record
+    assert "Rows marked `earlier run:`" in record
+
+
 def test_cli_tune_stops_at_its_time_budget(tmp_path, capsys):
     rc = cli.main(["tune", "--kernels", "relu_backward", "--scale", "small", "--trials", "4", "--time-budget", "0",
                    "--work-dir", str(tmp_path / "work"), "--log-dir", str(tmp_path / "log")])
