@@ -43,7 +43,6 @@ emits these ops (TVM's own: ``sum - cumsum + dy``, which loses precision and ign
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import tvm
@@ -51,6 +50,7 @@ from tvm import relax, te, tirx
 from tvm.script import tirx as T
 from tvm.sym import Analyzer
 
+from ..schedules.common import target_cores
 from ._llvm import has_llvm_intrinsics, zero_bytes
 from ._math import acc_dtype, tensor_dtype
 from .registry import INT_DTYPES, Attr, check_bool, check_int, define_op, fmt_shape, static_int
@@ -509,9 +509,8 @@ def _gather_backward_fused(bb, dy, indices, *, axis, dim_size):
     axis, outer, inner, (n_outer, n_idx, n_inner) = _views(dy, indices, axis)
     target = tvm.target.Target.current(allow_none=True)
     on_gpu = target is not None and "gpu" in target.keys
-    cores = (target.attrs.get("num-cores") if target is not None else None) or os.cpu_count() or 1
     func = scatter_add_kernel(dtype, acc, tensor_dtype(indices), n_outer, n_idx, n_inner, dim_size, chunked=not on_gpu,
-                              clear_parts=int(cores) if not on_gpu and has_llvm_intrinsics(target) else None)
+                              clear_parts=target_cores(target) if not on_gpu and has_llvm_intrinsics(target) else None)
     gv = bb.add_func(func, "rlx_gather_backward")
     dy3 = bb.emit(relax.op.reshape(dy, [n_outer, n_idx, n_inner]))
     idx1 = bb.emit(relax.op.reshape(indices, [n_idx]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.sym import detect_linear_equation
@@ -59,6 +61,13 @@ def root_blocks(sch: s_tir.Schedule) -> list:
         return list(sch.get_child_blocks(sch.get_sblock("root")))
     except s_tir.ScheduleError:
         return []
+
+
+def target_cores(target) -> int:
+    """The cores a CPU target names (``num-cores``), else this machine's CPU count (also for no
+    target)."""
+    cores = target.attrs.get("num-cores") if target is not None else None
+    return int(cores or os.cpu_count() or 1)
 
 
 def fuse_loops(sch: s_tir.Schedule, loops: list):

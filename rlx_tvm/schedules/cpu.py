@@ -9,7 +9,6 @@ pooling/scatter backward, multi-stage fused kernels).
 
 from __future__ import annotations
 
-import os
 from math import prod
 
 import tvm_ffi
@@ -21,7 +20,7 @@ from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
 from ..ops.registry import static_int
-from .common import fuse_loops, inlined_blocks, is_column_reduction, uses
+from .common import fuse_loops, inlined_blocks, is_column_reduction, target_cores, uses
 from .prefetch import ANNOTATION as PREFETCH_NEXT_ROW
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
@@ -52,7 +51,7 @@ class ParallelFallback(CPUScheduleRule):
             if fused is not None:
                 return fused
         for info in blocks:
-            self._schedule_block(sch, info, lanes, _cores(target))
+            self._schedule_block(sch, info, lanes, target_cores(target))
         return sch
 
     def _fuse_rows(self, sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Schedule | None:
@@ -548,15 +547,10 @@ def _fuse_contiguous_tail(sch: s_tir.Schedule, block, loops: list, lanes: int) -
     return [*loops[:-2], sch.fuse(*loops[-2:])]
 
 
-def _cores(target: Target) -> int:
-    """The target's ``num-cores``, else this machine's CPU count."""
-    return int(target.attrs.get("num-cores") or os.cpu_count() or 1)
-
-
 def _static_product(sch: s_tir.Schedule, loops: list) -> float:
-    """The product of the loops' extents; infinite when one is symbolic."""
-    extents = [static_int(sch.get(loop).extent) for loop in loops]
-    return float("inf") if None in extents else prod(extents)
+    """The product of the loops' extents; infinite when it is symbolic."""
+    n = static_int(_product([sch.get(loop).extent for loop in loops]))
+    return float("inf") if n is None else n
 
 
 def _vector_width(extent: int | None, lanes: int) -> int | None:
