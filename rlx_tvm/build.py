@@ -106,11 +106,11 @@ def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, t
                       verbose: bool = True) -> tuple[tvm.IRModule, Lowering]:
     """:func:`lower`, also returning a :class:`Lowering` report."""
     target = _as_target(target)
-    if target.kind.name == "llvm":
-        # Sibling backward ops (attention's dq/dk/dv) in one kernel each. CPU only for now: the GPU
-        # rules have not been checked on the multi-output kernels.
-        mod = FuseSiblingBackwardOps()(mod)
-    with target:  # fused kernels may pick a formulation per target (cumsum_backward does)
+    with target:  # fused kernels may pick a formulation per target (cumsum_backward, exp's scaling)
+        if target.kind.name == "llvm":
+            # Sibling backward ops (attention's dq/dk/dv) in one kernel each. CPU only for now: the
+            # GPU rules have not been checked on the multi-output kernels.
+            mod = FuseSiblingBackwardOps()(mod)
         mod = tvm.transform.Sequential(
             [
                 relax.transform.LegalizeOps(),

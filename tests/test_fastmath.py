@@ -1,13 +1,17 @@
 """The vectorizable float32 exp / erf / tanh / sigmoid of the fused kernels, against float64 NumPy
-over their whole range, the float32 edge values and the special values; and the check that a
-fused kernel using them no longer calls libm's scalar functions."""
+over their whole range, the float32 edge values and the special values, built for a generic
+x86-64 target (powers of two assembled in the exponent bits) and for this machine (``vscalefps``
+where it has AVX-512); and the check that a fused kernel using them no longer calls libm's
+scalar functions."""
 
 import math
 import re
 
 import numpy as np
+import pytest
 import tvm
 from tvm import te
+from tvm.target import codegen
 
 from rlx_tvm.ops import _math
 from rlx_tvm.schedules.tune import cpu_target
@@ -30,23 +34,51 @@ def _inputs() -> np.ndarray:
     return xs
 
 
-def _evaluate(xs: np.ndarray) -> dict[str, np.ndarray]:
-    x = te.placeholder(xs.shape, "float32", name="x")
+# The two ways of scaling by 2^n: generic x86-64 (no AVX-512) and the machine the tests run on
+# (on an AVX-512 machine, like the benchmark's, llvm.ldexp, which LLVM lowers to vscalefps).
+TARGETS = {"generic": lambda: tvm.target.Target("llvm"), "host": cpu_target}
+
+
+def _stage(x, name, fn):
+    return te.compute(x.shape, lambda i: fn(x[i]), name=name)
+
+
+def _build(stages, target: tvm.target.Target):
+    """Build the elementwise ``stages`` (name -> function of a TIR float32 value) of one float32
+    input; the expressions are made under ``target``, as the fused kernels' are."""
+    with target:
+        n = te.var("n")
+        x = te.placeholder((n,), "float32", name="x")
+        outs = [_stage(x, name, fn) for name, fn in stages.items()]
+    return tvm.compile(tvm.IRModule({"main": te.create_prim_func([x, *outs])}), target=target)
+
+
+def _evaluate(xs: np.ndarray, target: tvm.target.Target) -> dict[str, np.ndarray]:
     fns = {"exp": _math.exp_f32, "erf": _math.erf_f32, "tanh": _math.tanh_f32, "sigmoid": _math.tir_sigmoid}
-
-    def stage(name, fn):
-        return te.compute(x.shape, lambda i: fn(x[i]), name=name)
-
-    outs = [stage(name, fn) for name, fn in fns.items()]
-    f = tvm.compile(tvm.IRModule({"main": te.create_prim_func([x, *outs])}), target="llvm")
-    results = [tvm.runtime.empty(xs.shape, "float32") for _ in outs]
+    f = _build(fns, target)
+    results = [tvm.runtime.empty(xs.shape, "float32") for _ in fns]
     f(tvm.runtime.tensor(xs), *results)
     return {name: r.numpy().astype(np.float64) for name, r in zip(fns, results)}
 
 
-def test_float32_transcendentals_match_float64():
+def test_exp_scales_with_vscalefps_on_avx512_only():
+    """The exponential's 2^n: one vscalefps per vector where the target has AVX-512 (9 vector
+    instructions fewer), the exponent-bit assembly elsewhere; never a libm call (LLVM's ldexp
+    is a scalar ldexpf call without AVX-512)."""
+    for mcpu, scalef in (("znver4", True), ("skylake-avx512", True), ("haswell", False)):
+        target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+        with target:
+            uses_ldexp = _math._scales_in_hardware()
+        asm = _build({"exp": _math.exp_f32}, target).mod.inspect_source("asm")
+        assert uses_ldexp == scalef and ("vscalefps" in asm) == scalef, mcpu
+        assert not re.search(r"call\w*\s+\S*(ldexp|exp)f?\b", asm), mcpu
+    assert not _math._scales_in_hardware()  # no target: the portable form
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_float32_transcendentals_match_float64(target):
     xs = _inputs()
-    got = _evaluate(xs)
+    got = _evaluate(xs, TARGETS[target]())
     x = xs.astype(np.float64)
     with np.errstate(all="ignore"):
         ref = {
@@ -76,18 +108,21 @@ def test_float32_transcendentals_match_float64():
     assert got["sigmoid"][xs == -np.inf].item() == 0.0 and got["sigmoid"][xs == np.inf].item() == 1.0
 
 
-def test_float32_normal_cdf_and_nonpositive_exp_match_float64():
-    """GELU's float32 CDF (1 + erf(z)) / 2 from exp(-z^2) and that exponential (argument <= 0)
-    against float64 erfc / exp: relative accuracy in the lower tail too, down to where the
-    result leaves float32's normal range (1 + erf(z) cancels to nothing there)."""
+@pytest.mark.parametrize("target", TARGETS)
+def test_float32_normal_cdf_and_nonpositive_exp_match_float64(target):
+    """GELU's float32 CDF (1 + erf(z)) / 2 from exp(-z^2) and the exponential of an argument
+    <= 0, in each of its ways with NaN, against float64 erfc / exp: relative accuracy in the lower
+    tail too, down to where the result leaves float32's normal range (1 + erf(z) cancels to
+    nothing there)."""
     xs = _inputs()
-    x = te.placeholder(xs.shape, "float32", name="x")
-    cdf = te.compute(x.shape, lambda i: _math.normal_cdf_f32(x[i], _math.exp_nonpositive_f32(-(x[i] * x[i]))), name="cdf")
-    gauss = te.compute(x.shape, lambda i: _math.exp_nonpositive_f32(-tvm.tirx.abs(x[i])), name="gauss")
-    f = tvm.compile(tvm.IRModule({"main": te.create_prim_func([x, cdf, gauss])}), target="llvm")
-    outs = [tvm.runtime.empty(xs.shape, "float32") for _ in range(2)]
+    modes = ("select", "clamp", "drop")
+    stages = {"cdf": lambda v: _math.normal_cdf_f32(v, _math.exp_nonpositive_f32(-(v * v)))}
+    stages.update({mode: (lambda v, mode=mode: _math.exp_nonpositive_f32(-tvm.tirx.abs(v), nan=mode)) for mode in modes})
+    f = _build(stages, TARGETS[target]())
+    outs = [tvm.runtime.empty(xs.shape, "float32") for _ in stages]
     f(tvm.runtime.tensor(xs), *outs)
-    got_cdf, got_exp = (o.numpy().astype(np.float64) for o in outs)
+    got = dict(zip(stages, (o.numpy().astype(np.float64) for o in outs)))
+    got_cdf = got["cdf"]
     z = xs.astype(np.float64)
     real = ~np.isnan(z)
     with np.errstate(all="ignore"):
@@ -95,7 +130,6 @@ def test_float32_normal_cdf_and_nonpositive_exp_match_float64():
         ref_exp = np.exp(-np.abs(z))
     assert np.isnan(got_cdf[~real]).all()
     assert got_cdf[z == np.inf].item() == 1.0 and got_cdf[z == -np.inf].item() == 0.0
-    assert got_exp[z == -np.inf].item() == 0.0 and got_exp[z == 0].min() == 1.0
     normal = real & (ref_cdf >= 1e-37)
     # error budget: the rational form's rounding, and exp(-z^2)'s argument z^2 rounded to float32
     # (relative error z^2 * 2^-24 in the exponential)
@@ -105,10 +139,15 @@ def test_float32_normal_cdf_and_nonpositive_exp_match_float64():
     assert (rel[z[normal] < -5] > 0).any() and ref_cdf[normal].min() < 1e-30  # the tail is in the check
     assert np.abs(got_cdf[real & ~normal] - ref_cdf[real & ~normal]).max() <= 1e-40
     tiny = real & (ref_exp < float(np.finfo(np.float32).tiny))
-    assert np.all(np.abs(got_exp[tiny] - ref_exp[tiny]) <= 2 * DENORMAL), "exp: denormal range"
     big = real & ~tiny
-    err = np.abs(got_exp[big] - ref_exp[big]) / ref_exp[big]
-    assert err.max() <= 3e-7, f"exp of a nonpositive argument: max relative error {err.max():.3g}"
+    for mode in modes:
+        got_exp = got[mode]
+        assert got_exp[z == -np.inf].item() == 0.0 and got_exp[z == 0].min() == 1.0, mode
+        assert np.all(np.abs(got_exp[tiny] - ref_exp[tiny]) <= 2 * DENORMAL), f"exp ({mode}): denormal range"
+        err = np.abs(got_exp[big] - ref_exp[big]) / ref_exp[big]
+        assert err.max() <= 3e-7, f"exp of a nonpositive argument ({mode}): max relative error {err.max():.3g}"
+        # "drop": NaN in, a number out (its callers take the NaN from elsewhere)
+        assert (np.isnan(got_exp[~real]) if mode != "drop" else np.isfinite(got_exp[~real])).all(), mode
 
 
 def _activation_backward_kernel(kind: str):

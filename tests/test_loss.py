@@ -230,11 +230,11 @@ def _serial_loops_around(func, names):
 
 
 def test_cpu_row_kernel_prefetches_the_next_row():
-    """With default CPU schedules the backward kernel runs its passes per row in one parallel row
-    loop; its exp pass also sums the exponentials (no pass of its own that reads them back) and
-    prefetches the next row of logits (for reading) and of the output (for writing), never an
-    intermediate: rows of 8-wide vectors, rows that end mid cache line, static and symbolic row
-    counts; results unchanged."""
+    """With default CPU schedules the TE kernel (class counts that are not a whole number of the
+    target's vectors) runs its passes per row in one parallel row loop; its exp pass also sums
+    the exponentials (no pass of its own that reads them back) and prefetches the next row of
+    logits (for reading) and of the output (for writing), never an intermediate: rows of 8-wide
+    vectors, rows that end mid cache line, static and symbolic row counts; results unchanged."""
     from rlx_tvm import build
     from rlx_tvm.schedules.prefetch import ANNOTATION, prefetch_next_row
     from rlx_tvm.schedules.tune import cpu_target
@@ -265,10 +265,11 @@ def test_cpu_row_kernel_prefetches_the_next_row():
 
 
 def test_cpu_kernel_label_on_every_class_and_out_of_range():
-    """The CPU kernel compares class and label as (vector block, place in block): a label on every
-    class, on both sides of each block edge (rows of 40 and 48 with 8- and 16-wide vectors), and
-    labels past either end (C, C + 16, -1, -17, 2^40: an empty one-hot row), fp32 and fp64, static
-    and symbolic rows."""
+    """A label on every class and labels past either end (C, C + 16, -1, -17, 2^40: an empty
+    one-hot row), fp32 and fp64, static and symbolic rows, in both CPU kernels: the TE kernel
+    (40 classes, not a whole number of 16-wide vectors), which compares class and label as
+    (vector block, place in block), on both sides of each block edge; and the chunked kernel
+    (48 classes), which corrects the label's one element after the row."""
     from rlx_tvm import build
     from rlx_tvm.schedules.tune import cpu_target
 
@@ -288,6 +289,58 @@ def test_cpu_kernel_label_on_every_class_and_out_of_range():
             # the label's own class gets p - (1 - ls) - ls / C < 0 times d_loss: each label is seen
             hit = (got[np.arange(c), np.arange(c)] * case.inputs["d_loss"][:c].astype(dtype))
             assert (hit < 0).all(), f"{c} classes {dtype}"
+
+
+def _chunked_kernel_rows(c):
+    """Rows that take the chunked CPU kernel's special ways, over ``c`` classes (its first chunk
+    the first 16-wide vector at least): ordinary rows (logits up to +-40), a NaN logit, a +inf
+    logit, a first vector of -inf (a chunk of -inf when the chunk is one vector), a row of -inf,
+    an ignored row with a NaN logit (0, not NaN), a label past the end."""
+    n = 10
+    logits = RNG.standard_normal((n, c)) * 10
+    logits[0, :] *= 4
+    logits[1, c // 2] = np.nan
+    logits[2, 3] = np.inf
+    logits[3, :16] = -np.inf
+    logits[4, :] = -np.inf
+    logits[5, 1] = np.nan
+    labels = RNG.integers(0, c, n)
+    labels[3] = 2  # on the -inf vector: its own p is 0
+    labels[5] = -100
+    labels[6] = c + 3
+    return logits, labels
+
+
+def test_cpu_chunked_kernel_matches_reference():
+    """The chunked CPU kernel (class counts that are a whole number of the target's vectors) on
+    1-, 2- and 16-vector chunks, several chunks a row: the same numbers as the reference
+    (NaN where it has NaN), label smoothing, per-row and scalar d_loss, fp32 and fp64, static
+    and symbolic rows; and the kernel is the chunked one (no row-sized intermediate)."""
+    from rlx_tvm import build
+    from rlx_tvm.schedules.tune import cpu_target
+
+    target = cpu_target()
+    for c in (48, 160, 768):
+        logits, labels = _chunked_kernel_rows(c)
+        cases = [
+            Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": RNG.standard_normal(len(labels))},
+                 {"label_smoothing": ls}, batch=SYMBOLIC_N_BW, label=f"{c} classes, ls={ls}")
+            for ls in (0.0, 0.1)
+        ] + [Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": np.float64(0.7)},
+                  {"label_smoothing": 0.2}, batch=SYMBOLIC_N, label=f"{c} classes, scalar d_loss")]
+        for dtype, symbolic in [("float32", False), ("float64", True)]:
+            lowered = build.lower(build_module(cases, dtype, symbolic), target, tuning_log=None, verbose=False)
+            kernels = [f for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_softmax_cross_entropy_backward")]
+            assert kernels and all("chunk_max" in f.script() and "shifted_exp" not in f.script() for f in kernels)
+            vm = relax.VirtualMachine(tvm.compile(lowered, target=target), tvm.cpu())
+            for i, case in enumerate(cases):
+                args = [tvm.runtime.tensor(np.asarray(a)) for a in case.cast_inputs(dtype).values()]
+                got = vm[f"case_{i}"](*args).numpy()
+                want = case.reference(dtype)
+                assert np.isnan(want[[1, 2, 4]]).all() and (want[5] == 0).all() and np.isfinite(want[3]).all()
+                tol = 1e-5 if dtype == "float32" else 1e-12
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want[np.isfinite(want)]).max(),
+                                           err_msg=f"{case.name} {dtype}")
 
 
 def test_bad_input_labels():

@@ -24,9 +24,11 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax, te, tirx
+from tvm.script import tirx as T
 from tvm.target.codegen import llvm_get_vector_width
 
 from ..schedules.common import KEEP_STAGE
+from ._llvm import has_llvm_intrinsics
 from ._math import acc_dtype, tensor_dtype, tir_exp_nonpositive
 from .indexing import constant_array
 from .registry import INT_DTYPES, Attr, check_float, check_int, define_op, fmt_shape
@@ -252,6 +254,13 @@ def _sce_backward_fused(bb, logits, labels, d_loss, *, ignore_index=-100, label_
     acc = acc_dtype(dtype)
     ls = label_smoothing
     per_row = d_loss.ty.ndim == 1
+    chunking = _cpu_chunking(logits)
+    if chunking is not None:
+        n, c = logits.ty.shape.values
+        kernel = _cpu_kernel(dtype, tensor_dtype(labels), n, int(c), *chunking, per_row, ignore_index, ls)
+        scale = d_loss if per_row else relax.op.reshape(d_loss, [1])
+        return relax.call_tir(bb.add_func(kernel, "rlx_softmax_cross_entropy_backward"), [logits, labels, scale],
+                              relax.TensorType(logits.ty.shape, dtype))
 
     def kernel(z: te.Tensor, lab: te.Tensor, dl: te.Tensor):
         n, c = z.shape
@@ -260,7 +269,7 @@ def _sce_backward_fused(bb, logits, labels, d_loss, *, ignore_index=-100, label_
         # exp(z - max) as a stage of its own (kept: not inlined), read by the row sum and by the
         # gradient: one exp per element instead of two. The CPU schedule computes it per row into
         # a row-sized buffer that stays in cache.
-        shifted_exp = te.compute((n, c), lambda i, j: tir_exp_nonpositive(z[i, j].astype(acc) - row_max[i]),
+        shifted_exp = te.compute((n, c), lambda i, j: tir_exp_nonpositive(z[i, j].astype(acc) - row_max[i], nan="clamp"),
                                  name="shifted_exp", attrs=KEEP_STAGE)
         k2 = te.reduce_axis((0, c), name="k2")
         row_sum = te.compute((n,), lambda i: te.sum(shifted_exp[i, k2], axis=k2), name="row_sum_exp")
@@ -278,6 +287,112 @@ def _sce_backward_fused(bb, logits, labels, d_loss, *, ignore_index=-100, label_
         return te.compute((n, c), grad, name="softmax_cross_entropy_backward")
 
     return bb.call_te(kernel, logits, labels, d_loss, primfunc_name_hint="rlx_softmax_cross_entropy_backward")
+
+
+# Vectors per chunk of a row in the CPU kernel (the largest that divides the row): each chunk's
+# max is reduced across lanes once, so longer chunks spend less on that.
+CHUNK_VECTORS = 16
+
+
+def _cpu_chunking(logits) -> tuple[int, int] | None:
+    """(lanes, vectors per chunk) where the CPU kernel applies: an LLVM CPU target, float32 or
+    float64 (computed in their own type), and a static class count that is a whole number of
+    the target's vectors; None elsewhere (the TE kernel)."""
+    target = tvm.target.Target.current(allow_none=True)
+    dtype = tensor_dtype(logits)
+    classes = logits.ty.shape.values[1]
+    if target is None or not has_llvm_intrinsics(target) or "gpu" in target.keys or acc_dtype(dtype) != dtype \
+            or not isinstance(classes, tirx.IntImm):
+        return None
+    lanes = max(1, llvm_get_vector_width(target) // tvm.DataType(dtype).bits)
+    if int(classes) % lanes:
+        return None
+    vectors = int(classes) // lanes
+    return lanes, next(k for k in (CHUNK_VECTORS, 8, 4, 2, 1) if vectors % k == 0)
+
+
+def _cpu_kernel(dtype, label_dtype, n, c: int, lanes: int, chunk_vectors: int, per_row: bool,
+                ignore_index: int, ls: float) -> tirx.PrimFunc:
+    """The CPU kernel: one row per iteration of the (parallel) row loop, in two passes over it.
+
+    1. Chunk by chunk (``chunk_vectors`` vectors): the chunk's max ``m_k``, then
+       ``exp(z - m_k)`` written to the output row and summed per lane. The logits are read from
+       memory once, in the pass that also does the exponentials, and the output lines are
+       fetched for writing alongside them (a copy's traffic pattern).
+    2. With the row max ``M`` and ``total = sum_k s_k exp(m_k - M)``, each chunk rescaled in place
+       by ``exp(m_k - M) * d_loss / total`` (the row is in cache), minus the smoothing term; the
+       label's one element gets its ``(1 - ls) * d_loss`` afterwards, not a compare per element.
+
+    The TE kernel reads the row three times (max, exp, gradient) and keeps ``exp`` in a row of its
+    own: 7.6 vs 6.1 ms at (2048, 8192) on 2 cores. A chunk max starts from the lowest finite
+    value, so that a chunk of -inf scales to 0 (not NaN); NaN logits fail every comparison of
+    the max and make their row NaN through the exponential, +inf through inf - inf."""
+    n = tirx.IntImm("int64", int(n)) if isinstance(n, (int, tirx.IntImm)) else tirx.Var("n", "int64")
+    chunk = lanes * chunk_vectors
+    n_chunks = c // chunk
+    lowest, zero = tirx.min_value(dtype), tirx.const(0, dtype)
+    hit_weight, spread = tirx.const(1.0 - ls, dtype), tirx.const(ls / c, dtype)
+    ignored = tirx.const(ignore_index, "int64")
+    d_rows = n if per_row else tirx.IntImm("int64", 1)  # a scalar d_loss comes as [1]
+
+    def d_loss_row(i):
+        return i if per_row else tirx.IntImm("int64", 0)
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(z_h: T.handle, label_h: T.handle, d_loss_h: T.handle, dz_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        z = T.match_buffer(z_h, (n, c), dtype)
+        label = T.match_buffer(label_h, (n,), label_dtype)
+        d_loss = T.match_buffer(d_loss_h, (d_rows,), dtype)
+        dz = T.match_buffer(dz_h, (n, c), dtype)
+        for row in range(n):
+            with T.sblock("softmax_cross_entropy_backward"):
+                i = T.axis.spatial(n, row)
+                T.reads(z[i, 0:c], label[i], d_loss[d_loss_row(i)])
+                T.writes(dz[i, 0:c])
+                chunk_max = T.sblock_alloc_buffer((n_chunks,), dtype)
+                chunk_sum = T.sblock_alloc_buffer((n_chunks,), dtype)
+                lane_max = T.sblock_alloc_buffer((lanes,), dtype)
+                lane_sum = T.sblock_alloc_buffer((lanes,), dtype)
+                stats = T.sblock_alloc_buffer((2,), dtype)  # the row max, then the row's sum of exp
+                for k in range(n_chunks):
+                    for l in T.vectorized(lanes):
+                        lane_max[l] = lowest
+                    for v in range(chunk_vectors):
+                        for l in T.vectorized(lanes):
+                            lane_max[l] = T.Select(z[i, k * chunk + v * lanes + l] > lane_max[l],
+                                                   z[i, k * chunk + v * lanes + l], lane_max[l])
+                    chunk_max[k] = lowest
+                    for l in range(lanes):
+                        chunk_max[k] = T.max(chunk_max[k], lane_max[l])
+                    for l in T.vectorized(lanes):
+                        lane_sum[l] = zero
+                    for v in range(chunk_vectors):
+                        for l in T.vectorized(lanes):
+                            dz[i, k * chunk + v * lanes + l] = tir_exp_nonpositive(
+                                z[i, k * chunk + v * lanes + l] - chunk_max[k], nan="clamp")
+                            lane_sum[l] = lane_sum[l] + dz[i, k * chunk + v * lanes + l]
+                    chunk_sum[k] = zero
+                    for l in range(lanes):
+                        chunk_sum[k] = chunk_sum[k] + lane_sum[l]
+                stats[0] = lowest
+                for k in range(n_chunks):
+                    stats[0] = T.max(stats[0], chunk_max[k])
+                stats[1] = zero
+                for k in range(n_chunks):
+                    stats[1] = stats[1] + chunk_sum[k] * tir_exp_nonpositive(chunk_max[k] - stats[0], nan="clamp")
+                for k in range(n_chunks):  # each chunk's factor, in place of its max
+                    chunk_max[k] = tir_exp_nonpositive(chunk_max[k] - stats[0], nan="clamp") * (d_loss[d_loss_row(i)] / stats[1])
+                for k, v in T.grid(n_chunks, chunk_vectors):
+                    for l in T.vectorized(lanes):
+                        dz[i, k * chunk + v * lanes + l] = T.Select(
+                            T.Cast("int64", label[i]) != ignored,
+                            dz[i, k * chunk + v * lanes + l] * chunk_max[k] - spread * d_loss[d_loss_row(i)], zero)
+                if T.Cast("int64", label[i]) != ignored and T.Cast("int64", label[i]) >= 0 \
+                        and T.Cast("int64", label[i]) < c:
+                    dz[i, label[i]] = dz[i, label[i]] - hit_weight * d_loss[d_loss_row(i)]
+
+    return kernel
 
 
 # --------------------------------------------------------------------------------------------
