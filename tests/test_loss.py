@@ -314,8 +314,9 @@ def _chunked_kernel_rows(c):
 def test_cpu_chunked_kernel_matches_reference():
     """The chunked CPU kernel (class counts that are a whole number of the target's vectors) on
     1-, 2- and 16-vector chunks, several chunks a row: the same numbers as the reference
-    (NaN where it has NaN), label smoothing, per-row and scalar d_loss, fp32 and fp64, static
-    and symbolic rows; and the kernel is the chunked one (no row-sized intermediate)."""
+    (NaN where it has NaN), label smoothing, per-row and scalar d_loss, int64 and int32 labels,
+    fp32 and fp64, static and symbolic rows; and the kernel is the chunked one (no row-sized
+    intermediate)."""
     from rlx_tvm import build
     from rlx_tvm.schedules.tune import cpu_target
 
@@ -326,8 +327,8 @@ def test_cpu_chunked_kernel_matches_reference():
             Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": RNG.standard_normal(len(labels))},
                  {"label_smoothing": ls}, batch=SYMBOLIC_N_BW, label=f"{c} classes, ls={ls}")
             for ls in (0.0, 0.1)
-        ] + [Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": np.float64(0.7)},
-                  {"label_smoothing": 0.2}, batch=SYMBOLIC_N, label=f"{c} classes, scalar d_loss")]
+        ] + [Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels.astype(np.int32), "d_loss": np.float64(0.7)},
+                  {"label_smoothing": 0.2}, batch=SYMBOLIC_N, label=f"{c} classes, scalar d_loss, int32 labels")]
         for dtype, symbolic in [("float32", False), ("float64", True)]:
             lowered = build.lower(build_module(cases, dtype, symbolic), target, tuning_log=None, verbose=False)
             kernels = [f for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_softmax_cross_entropy_backward")]
