@@ -12,7 +12,8 @@ With ``p = softmax(logits[n])`` and the smoothed target ``t = (1 - ls) * onehot(
 Rows whose label is ``ignore_index`` give 0 in both. A label outside ``[0, C)`` that is not
 ``ignore_index`` is an error when the labels are a constant; at run time its one-hot row is empty
 (only the smoothing term remains) and nothing is read out of bounds. The fused kernels subtract
-the row max before exponentiating; the decompositions use ``nn.log_softmax`` / ``nn.softmax``.
+the row max (the CPU backward kernel: each chunk's max, rescaled after) before exponentiating; the
+decompositions use ``nn.log_softmax`` / ``nn.softmax``.
 float16/bfloat16 compute in float32.
 
 Also registers the gradient of ``rlx.softmax_cross_entropy`` so that ``relax.transform.Gradient``
