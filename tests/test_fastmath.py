@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import tvm
 from tvm import te
-from tvm.target import codegen
 
 from rlx_tvm.ops import _math
 from rlx_tvm.schedules.tune import cpu_target
@@ -62,7 +61,7 @@ def _evaluate(xs: np.ndarray, target: tvm.target.Target) -> dict[str, np.ndarray
 
 
 def test_exp_scales_with_vscalefps_on_avx512_only():
-    """The exponential's 2^n: one vscalefps per vector where the target has AVX-512 (9 vector
+    """The exponential's 2^n: one vscalefps per vector where the target has AVX-512 (about 7 vector
     instructions fewer), the exponent-bit assembly elsewhere; never a libm call (LLVM's ldexp
     is a scalar ldexpf call without AVX-512)."""
     for mcpu, scalef in (("znver4", True), ("skylake-avx512", True), ("haswell", False)):

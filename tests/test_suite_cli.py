@@ -4,7 +4,6 @@ baseline formulations, tuning-log lookup by target, and smoke tests of ``rlx-tvm
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 
