@@ -26,9 +26,8 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
-from tvm.target.codegen import llvm_get_vector_width
 
-from ..schedules.common import KEEP_STAGE
+from ..schedules.common import KEEP_STAGE, vector_lanes
 from ._llvm import has_llvm_intrinsics
 from ._math import acc_dtype, tensor_dtype, tir_exp_nonpositive
 from .indexing import constant_array
@@ -244,7 +243,7 @@ def _is_column(j, label):
     target = tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name != "llvm":
         return label == j
-    width = tirx.const(max(1, llvm_get_vector_width(target) // 32), "int64")
+    width = tirx.const(vector_lanes(target), "int64")
     return tirx.all(tirx.floordiv(j, width) == tirx.floordiv(label, width),
                     tirx.floormod(j, width) == tirx.floormod(label, width))
 
@@ -302,10 +301,10 @@ def _cpu_chunking(logits) -> tuple[int, int] | None:
     target = tvm.target.Target.current(allow_none=True)
     dtype = tensor_dtype(logits)
     classes = logits.ty.shape.values[1]
-    if target is None or not has_llvm_intrinsics(target) or "gpu" in target.keys or acc_dtype(dtype) != dtype \
+    if target is None or not has_llvm_intrinsics(target) or acc_dtype(dtype) != dtype \
             or not isinstance(classes, tirx.IntImm):
         return None
-    lanes = max(1, llvm_get_vector_width(target) // tvm.DataType(dtype).bits)
+    lanes = vector_lanes(target, tvm.DataType(dtype).bits)
     if int(classes) % lanes:
         return None
     vectors = int(classes) // lanes
@@ -381,10 +380,11 @@ def _cpu_kernel(dtype, label_dtype, n, c: int, lanes: int, chunk_vectors: int, p
                 for k in range(n_chunks):
                     stats[0] = T.max(stats[0], chunk_max[k])
                 stats[1] = zero
-                for k in range(n_chunks):
-                    stats[1] = stats[1] + chunk_sum[k] * tir_exp_nonpositive(chunk_max[k] - stats[0], nan="clamp")
-                for k in range(n_chunks):  # each chunk's factor, in place of its max
-                    chunk_max[k] = tir_exp_nonpositive(chunk_max[k] - stats[0], nan="clamp") * (d_loss[d_loss_row(i)] / stats[1])
+                for k in range(n_chunks):  # each chunk's factor, in place of its max: exp(m_k - M), ...
+                    chunk_max[k] = tir_exp_nonpositive(chunk_max[k] - stats[0], nan="clamp")
+                    stats[1] = stats[1] + chunk_sum[k] * chunk_max[k]
+                for k in range(n_chunks):  # ... times d_loss / total
+                    chunk_max[k] = chunk_max[k] * (d_loss[d_loss_row(i)] / stats[1])
                 for k, v in T.grid(n_chunks, chunk_vectors):
                     for l in T.vectorized(lanes):
                         dz[i, k * chunk + v * lanes + l] = T.Select(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from tvm import s_tir, tirx
+from tvm.target.codegen import llvm_get_vector_width
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.sym import detect_linear_equation
 
@@ -68,6 +69,12 @@ def target_cores(target) -> int:
     target)."""
     cores = target.attrs.get("num-cores") if target is not None else None
     return int(cores or os.cpu_count() or 1)
+
+
+def vector_lanes(target, bits: int = 32) -> int:
+    """Elements of ``bits`` bits in one vector register of an LLVM CPU target (16 float32 with
+    AVX-512; the schedules size their vector loops by float32)."""
+    return max(1, llvm_get_vector_width(target) // bits)
 
 
 def fuse_loops(sch: s_tir.Schedule, loops: list):

@@ -17,10 +17,9 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.sym import Analyzer
 from tvm.target import Target
-from tvm.target.codegen import llvm_get_vector_width
 
 from ..ops.registry import static_int
-from .common import fuse_loops, inlined_blocks, is_column_reduction, target_cores, uses
+from .common import fuse_loops, inlined_blocks, is_column_reduction, target_cores, uses, vector_lanes
 from .prefetch import ANNOTATION as PREFETCH_NEXT_ROW
 
 __all__ = ["GEMV", "ParallelFallback", "default_cpu_rules"]
@@ -45,7 +44,7 @@ class ParallelFallback(CPUScheduleRule):
         if found is None:
             return None
         sch, blocks = found
-        lanes = max(1, llvm_get_vector_width(target) // 32)
+        lanes = vector_lanes(target)
         if len(blocks) > 1:
             fused = self._fuse_rows(sch.copy(), blocks, lanes) or self._merge_row_stages(sch.copy(), blocks, lanes)
             if fused is not None:
