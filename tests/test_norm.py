@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax, tirx
+from tvm.script import tirx as T
 
 from rlx_tvm import autodiff, ops
 from rlx_tvm.ops import get_op
@@ -15,6 +16,7 @@ from rlx_tvm.testing import (
     CHECK_TARGET, Case, GradCase, check_cases, compare, check_finite_differences, check_gradients, finite_difference_vjp,
     run_cases,
 )
+from rlx_tvm.schedules.prefetch import ANNOTATION as PREFETCH_ANNOTATION
 
 from .helpers import MATRIX, assert_op_error, tensor_var
 
@@ -623,9 +625,49 @@ def test_merged_row_schedule_runs_every_stage_in_one_parallel_loop(symbolic):
             if name.startswith("rlx_layer_norm"):
                 sums = sch.get_loops(sch.get_sblock("mean_g_rf"))[2]
                 assert {sch.get(b).name_hint for b in sch.get_child_blocks(sums)} == {"mean_g_rf", "mean_gxh_rf"}
+            _assert_prefetches_next_row(func, script, name)
+        if name.startswith("rlx_group_norm"):  # 4-d planes, not rows: nothing to prefetch
+            assert "llvm.prefetch" not in script and PREFETCH_ANNOTATION not in script
         tvm.s_tir.analysis.OOBChecker()(tvm.IRModule({"main": func}))
     from rlx_tvm.testing import check_sibling_groups
     check_sibling_groups(groups, "float32", symbolic, target=cpu_target())
+
+
+def _assert_prefetches_next_row(func, script, name):
+    """Layer / RMS norm's merged kernel prefetches the next row (chunk * rows per chunk + row in
+    chunk + 1, clamped to the last) of x and dy for reading and of dx for writing, in the pass that
+    computes dx, and nothing else (not the chunk's partial sums)."""
+    from rlx_tvm.schedules.prefetch import prefetch_next_row
+
+    sch = tvm.s_tir.Schedule(func)
+    chunk, row, dx_pass = (sch.get(lp) for lp in sch.get_loops(sch.get_sblock("dx"))[:3])
+    assert (chunk.kind, row.kind) == (tirx.ForKind.PARALLEL, tirx.ForKind.SERIAL), name
+    rows = sch.get(sch.get_sblock("dx")).writes[0].source.shape[0]
+    nxt = str(tvm.sym.Analyzer().simplify(tirx.min(chunk.loop_var * row.extent + row.loop_var + 1, rows - 1)))
+    prefetches = [line.strip() for line in script.splitlines() if "llvm.prefetch" in line]
+    read = {p.split("address_of(")[1].split("[")[0] for p in prefetches if p.endswith("0, 3, 1)")}
+    written = {p.split("address_of(")[1].split("[")[0] for p in prefetches if p.endswith("1, 3, 1)")}
+    assert (read, written) == ({"x", "dy"}, {"dx"}), (name, prefetches)
+    assert all(f"[{nxt}," in p for p in prefetches), (name, nxt, prefetches)
+    assert "llvm.prefetch" in dx_pass.script() and PREFETCH_ANNOTATION not in script, name
+    assert prefetch_next_row(func).same_as(func)  # nothing left to rewrite
+
+
+def test_prefetch_annotation_names_loops_that_exist():
+    """The annotation's value counts the loops whose fused index is the row; more than there are
+    is a clear error, not a wrong address."""
+    from rlx_tvm.schedules.prefetch import prefetch_next_row
+
+    @T.prim_func(private=True, s_tir=True)
+    def rows(x: T.Buffer((8, 64), "float32"), y: T.Buffer((8, 64), "float32")):
+        for i in T.serial(8, annotations={PREFETCH_ANNOTATION: 2}):
+            for j in range(64):
+                with T.sblock("y"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    y[vi, vj] = x[vi, vj]
+
+    with pytest.raises(ValueError, match="row index takes 2 loops .* but there is 1"):
+        prefetch_next_row(rows)
 
 
 def test_merged_row_schedule_with_a_batch_of_one():

@@ -209,6 +209,8 @@ class ParallelFallback(CPUScheduleRule):
             for block in chunk_sums:
                 self._vectorize_column_partial(sch, block, depth, lanes)
             _merge_independent_passes(sch, sch.get_loops(out)[depth - 1], depth)
+            # rows are chunk * rows per chunk + row in chunk: the two loops (prefetch.py)
+            sch.annotate(sch.get_loops(out)[depth - 1], PREFETCH_NEXT_ROW, 2)
         except s_tir.ScheduleError:
             return None
         return sch
