@@ -230,10 +230,10 @@ def _serial_loops_around(func, names):
 
 
 def test_cpu_row_kernel_prefetches_the_next_row():
-    """With default CPU schedules the TE kernel (class counts that are not a whole number of the
-    target's vectors) runs its passes per row in one parallel row loop; its exp pass also sums
-    the exponentials (no pass of its own that reads them back) and prefetches the next row of
-    logits (for reading) and of the output (for writing), never an intermediate: rows of 8-wide
+    """With default CPU schedules the TE kernel (on CPU: float16 / bfloat16 logits, computed in
+    float32) runs its passes per row in one parallel row loop; its exp pass also sums the
+    exponentials (no pass of its own that reads them back) and prefetches the next row of logits
+    (for reading) and of the output (for writing), never an intermediate: rows of 8-wide
     vectors, rows that end mid cache line, static and symbolic row counts; results unchanged."""
     from rlx_tvm import build
     from rlx_tvm.schedules.prefetch import ANNOTATION, prefetch_next_row
@@ -241,11 +241,12 @@ def test_cpu_row_kernel_prefetches_the_next_row():
 
     cases = [_backward_case(9, 1000, batch=SYMBOLIC_N_BW), _backward_case(3, 520, batch=SYMBOLIC_N_BW)]
     for symbolic in (False, True):
-        lowered = build.lower(build_module(cases, "float32", symbolic), cpu_target(), tuning_log=None, verbose=False)
+        lowered = build.lower(build_module(cases, "float16", symbolic), cpu_target(), tuning_log=None, verbose=False)
         kernels = [f for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_softmax_cross_entropy_backward")]
         assert len(kernels) == 2  # one per row length
         for f in kernels:
             script = f.script()
+            assert "chunk_max" not in script and "shifted_exp" in script  # the TE kernel
             assert script.count("T.parallel") == 1, script  # every pass inside the one row loop
             prefetches = [line for line in script.splitlines() if "llvm.prefetch" in line]
             assert any("address_of(logits[" in p and p.rstrip().endswith("0, 3, 1)") for p in prefetches), prefetches
@@ -259,17 +260,20 @@ def test_cpu_row_kernel_prefetches_the_next_row():
             assert prefetch_next_row(f).same_as(f)  # nothing left to rewrite
         vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
         for i, case in enumerate(cases):
-            args = [tvm.runtime.tensor(a) for a in case.cast_inputs("float32").values()]
+            args = [tvm.runtime.tensor(a) for a in case.cast_inputs("float16").values()]
             got = vm[f"case_{i}"](*args).numpy()
-            np.testing.assert_allclose(got, case.reference("float32"), rtol=1e-5, atol=1e-6, err_msg=case.name)
+            assert got.dtype == np.float16
+            np.testing.assert_allclose(got.astype(np.float64), case.reference("float16"), rtol=2e-3, atol=2e-5,
+                                       err_msg=case.name)
 
 
 def test_cpu_kernel_label_on_every_class_and_out_of_range():
     """A label on every class and labels past either end (C, C + 16, -1, -17, 2^40: an empty
-    one-hot row), fp32 and fp64, static and symbolic rows, in both CPU kernels: the TE kernel
-    (40 classes, not a whole number of 16-wide vectors), which compares class and label as
-    (vector block, place in block), on both sides of each block edge; and the chunked kernel
-    (48 classes), which corrects the label's one element after the row."""
+    one-hot row), static and symbolic rows, in both CPU kernels: the TE kernel (float16 logits),
+    which compares class and label as (vector block, place in block), on both sides of each
+    block edge; and the chunked kernel (float32 / float64), which corrects the label's one
+    element after the row, also where it lies past the last whole vector (40 float32 classes:
+    two vectors and 8 single classes)."""
     from rlx_tvm import build
     from rlx_tvm.schedules.tune import cpu_target
 
@@ -279,13 +283,15 @@ def test_cpu_kernel_label_on_every_class_and_out_of_range():
         case = Case("softmax_cross_entropy_backward",
                     {"logits": RNG.standard_normal((n, c)), "labels": labels, "d_loss": RNG.standard_normal(n)},
                     {"label_smoothing": 0.1}, batch=SYMBOLIC_N_BW, label=f"labels over {c} classes")
-        for dtype, symbolic in [("float32", False), ("float64", True)]:
+        for dtype, symbolic in [("float16", False), ("float32", False), ("float64", True)]:
             lowered = build.lower(build_module([case], dtype, symbolic), cpu_target(), tuning_log=None, verbose=False)
+            (kernel,) = [f for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_softmax_cross_entropy")]
+            assert ("chunk_max" in kernel.script()) == (dtype != "float16"), (c, dtype)
             vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
             got = vm["case_0"](*[tvm.runtime.tensor(a) for a in case.cast_inputs(dtype).values()]).numpy()
             want = case.reference(dtype)
-            tol = 1e-5 if dtype == "float32" else 1e-12
-            np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=f"{c} classes {dtype}")
+            tol = {"float16": 2e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
+            np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol, err_msg=f"{c} classes {dtype}")
             # the label's own class gets p - (1 - ls) - ls / C < 0 times d_loss: each label is seen
             hit = (got[np.arange(c), np.arange(c)] * case.inputs["d_loss"][:c].astype(dtype))
             assert (hit < 0).all(), f"{c} classes {dtype}"
@@ -295,8 +301,9 @@ def _chunked_kernel_rows(c):
     """Rows that take the chunked CPU kernel's special ways, over ``c`` classes (its first chunk
     the first 16-wide vector at least): ordinary rows (logits up to +-40), a NaN logit, a +inf
     logit, a first vector of -inf (a chunk of -inf when the chunk is one vector), a row of -inf,
-    an ignored row with a NaN logit (0, not NaN), a label past the end."""
-    n = 10
+    an ignored row with a NaN logit (0, not NaN), a label past the end; a NaN and a +inf on the
+    last class (in the short last chunk, where the row has one)."""
+    n = 12
     logits = RNG.standard_normal((n, c)) * 10
     logits[0, :] *= 4
     logits[1, c // 2] = np.nan
@@ -308,20 +315,23 @@ def _chunked_kernel_rows(c):
     labels[3] = 2  # on the -inf vector: its own p is 0
     labels[5] = -100
     labels[6] = c + 3
+    logits[10, -1] = np.nan
+    logits[11, -1] = np.inf
     return logits, labels
 
 
 def test_cpu_chunked_kernel_matches_reference():
-    """The chunked CPU kernel (class counts that are a whole number of the target's vectors) on
-    1-, 2- and 16-vector chunks, several chunks a row: the same numbers as the reference
-    (NaN where it has NaN), label smoothing, per-row and scalar d_loss, int64 and int32 labels,
-    fp32 and fp64, static and symbolic rows; and the kernel is the chunked one (no row-sized
-    intermediate)."""
+    """The chunked CPU kernel on 1-, 2- and 16-vector chunks, several chunks a row, and on rows
+    that are not a whole number of chunks (a short last chunk of whole vectors and single
+    classes, of single classes only, of vectors only; 1000 classes in float32: 3 chunks of 16
+    vectors, 14 vectors, 8 classes): the same numbers as the reference (NaN where it has NaN),
+    label smoothing, per-row and scalar d_loss, int64 and int32 labels, fp32 and fp64, static and
+    symbolic rows; and the kernel is the chunked one (no row-sized intermediate)."""
     from rlx_tvm import build
     from rlx_tvm.schedules.tune import cpu_target
 
     target = cpu_target()
-    for c in (48, 160, 768):
+    for c in (48, 160, 768, 17, 50, 1000):
         logits, labels = _chunked_kernel_rows(c)
         cases = [
             Case("softmax_cross_entropy_backward", {"logits": logits, "labels": labels, "d_loss": RNG.standard_normal(len(labels))},
@@ -338,7 +348,8 @@ def test_cpu_chunked_kernel_matches_reference():
                 args = [tvm.runtime.tensor(np.asarray(a)) for a in case.cast_inputs(dtype).values()]
                 got = vm[f"case_{i}"](*args).numpy()
                 want = case.reference(dtype)
-                assert np.isnan(want[[1, 2, 4]]).all() and (want[5] == 0).all() and np.isfinite(want[3]).all()
+                assert np.isnan(want[[1, 2, 4, 10, 11]]).all() and (want[5] == 0).all() and np.isfinite(want[3]).all()
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{case.name} {dtype}")
                 tol = 1e-5 if dtype == "float32" else 1e-12
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want[np.isfinite(want)]).max(),
                                            err_msg=f"{case.name} {dtype}")
