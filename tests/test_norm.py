@@ -666,7 +666,7 @@ def test_prefetch_annotation_names_loops_that_exist():
                     vi, vj = T.axis.remap("SS", [i, j])
                     y[vi, vj] = x[vi, vj]
 
-    with pytest.raises(ValueError, match="row index takes 2 loops .* but there is 1"):
+    with pytest.raises(ValueError, match="row index would take 2 loops .* but only 1 are there"):
         prefetch_next_row(rows)
 
 

@@ -298,12 +298,12 @@ def _cpu_chunking(logits) -> tuple[int, int] | None:
     """(lanes, vectors per chunk) where the CPU kernel applies: an LLVM CPU target and a static
     class count of one of the target's vectors (of the accumulation type) or more, for half
     precision only a count that is no whole number of vectors; None elsewhere (the TE kernel).
-    (Half precision, same process, 2 threads, float16 / bfloat16: at (2048, 8192) the TE kernel
-    took 4.0 / 4.9 ms and this one 6.0 / 5.7 ms, its exp row in a buffer of its own; at
-    (256, 50257), where the TE kernel runs scalar, 41.5 / 38.8 ms against 4.0 / 6.0 ms.) A row that is a whole number of vectors
-    takes the longest chunk that divides it; any other row the longest chunk it holds, and the
-    classes after its last whole chunk are a shorter chunk of their own (vectors, then single
-    classes: 50257 = 196 chunks of 256 + 5 vectors of 16 + 1)."""
+    A row that is a whole number of vectors takes the longest chunk that divides it; any other
+    row the longest chunk it holds, and the classes after its last whole chunk are a shorter
+    chunk of their own (vectors, then single classes: 50257 = 196 chunks of 256, 5 vectors of 16
+    and 1). Half precision, same process, 2 threads, float16 / bfloat16: at (2048, 8192) the TE
+    kernel took 4.0 / 4.9 ms and this one 6.0 / 5.7 ms (its exp row in a buffer of its own); at
+    (256, 50257), where the TE kernel runs scalar, 41.5 / 38.8 ms against 4.0 / 6.0 ms."""
     target = tvm.target.Target.current(allow_none=True)
     dtype = tensor_dtype(logits)
     classes = logits.ty.shape.values[1]
@@ -397,7 +397,8 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
                     for v in range(chunk_vectors):
                         for l in T.vectorized(lanes):
                             T.buffer_store(exps(dz, e), tir_exp_nonpositive(
-                                T.cast(z[i, k * chunk + v * lanes + l], acc) - chunk_max[k], nan="clamp"), [exp_row(i), k * chunk + v * lanes + l])
+                                T.cast(z[i, k * chunk + v * lanes + l], acc) - chunk_max[k], nan="clamp"),
+                                [exp_row(i), k * chunk + v * lanes + l])
                             lane_sum[l] = lane_sum[l] + exp_at(dz, e, i, k * chunk + v * lanes + l)
                     chunk_sum[k] = zero
                     for l in range(lanes):
@@ -422,7 +423,8 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
                         for v in range(tail_vectors):
                             for l in T.vectorized(lanes):
                                 T.buffer_store(exps(dz, e), tir_exp_nonpositive(
-                                    T.cast(z[i, tail_start + v * lanes + l], acc) - chunk_max[n_whole], nan="clamp"), [exp_row(i), tail_start + v * lanes + l])
+                                    T.cast(z[i, tail_start + v * lanes + l], acc) - chunk_max[n_whole], nan="clamp"),
+                                    [exp_row(i), tail_start + v * lanes + l])
                                 lane_sum[l] = lane_sum[l] + exp_at(dz, e, i, tail_start + v * lanes + l)
                     chunk_sum[n_whole] = zero
                     for l in range(lanes):
@@ -430,7 +432,8 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
                     if singles > 0:
                         for j in range(singles):
                             T.buffer_store(exps(dz, e), tir_exp_nonpositive(
-                                T.cast(z[i, single_start + j], acc) - chunk_max[n_whole], nan="clamp"), [exp_row(i), single_start + j])
+                                T.cast(z[i, single_start + j], acc) - chunk_max[n_whole], nan="clamp"),
+                                [exp_row(i), single_start + j])
                             chunk_sum[n_whole] = chunk_sum[n_whole] + exp_at(dz, e, i, single_start + j)
                 stats[0] = lowest
                 for k in range(n_chunks):
@@ -445,8 +448,8 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
                     for l in T.vectorized(lanes):
                         dz[i, k * chunk + v * lanes + l] = T.cast(T.Select(
                             T.Cast("int64", label[i]) != ignored,
-                            exp_at(dz, e, i, k * chunk + v * lanes + l) * chunk_max[k] - spread * T.cast(d_loss[d_loss_row(i)], acc),
-                            zero), dtype)
+                            exp_at(dz, e, i, k * chunk + v * lanes + l) * chunk_max[k]
+                            - spread * T.cast(d_loss[d_loss_row(i)], acc), zero), dtype)
                 if tail_vectors > 0:
                     for v in range(tail_vectors):
                         for l in T.vectorized(lanes):
@@ -458,8 +461,8 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
                     for j in range(singles):
                         dz[i, single_start + j] = T.cast(T.Select(
                             T.Cast("int64", label[i]) != ignored,
-                            exp_at(dz, e, i, single_start + j) * chunk_max[n_whole] - spread * T.cast(d_loss[d_loss_row(i)], acc),
-                            zero), dtype)
+                            exp_at(dz, e, i, single_start + j) * chunk_max[n_whole]
+                            - spread * T.cast(d_loss[d_loss_row(i)], acc), zero), dtype)
                 if T.Cast("int64", label[i]) != ignored and T.Cast("int64", label[i]) >= 0 \
                         and T.Cast("int64", label[i]) < c:
                     if direct:

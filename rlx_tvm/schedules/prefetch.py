@@ -51,8 +51,9 @@ def _allocated(func: tirx.PrimFunc) -> list:
 
 
 def _row_buffers(loop: tirx.For, row: tirx.PrimExpr, intermediates: list) -> dict:
-    """The 2-d input and output buffers that the blocks under ``loop`` access at row ``row`` (a
-    row, all of whose columns count), mapped to whether they write them."""
+    """The 2-d input and output buffers (of a static column count) that the blocks under ``loop``
+    access at row ``row`` (their first index, with the blocks' bindings), mapped to whether they
+    write them."""
     found: dict = {}
 
     def visit(realize):
@@ -166,8 +167,8 @@ def prefetch_next_row(func: tirx.PrimFunc) -> tirx.PrimFunc:
         if ANNOTATION in node.annotations:
             depth = int(node.annotations[ANNOTATION])
             if not 1 <= depth <= len(around) + 1:
-                raise ValueError(f"{ANNOTATION}: the row index takes {depth} loops (the annotated one and "
-                                 f"those around it), but there is {len(around) + 1}")
+                raise ValueError(f"{ANNOTATION}={depth}: the row index would take {depth} loops (the annotated "
+                                 f"one and those around it), but only {len(around) + 1} are there")
             return _with_prefetch(node, around[len(around) + 1 - depth:], intermediates)
         around.append(node)
         try:
