@@ -14,6 +14,7 @@ from .passes import FuseSiblingBackwardOps
 from .schedules import default_cpu_rules
 from .schedules.gpu import schedule_gpu
 from .schedules.prefetch import PrefetchNextRow
+from .schedules.transcendentals import VectorizableTranscendentals
 
 __all__ = ["Lowering", "TuningLogError", "compile", "load_tuning_log", "lower", "lower_with_report", "target_key",
            "tuning_log_for"]
@@ -146,6 +147,7 @@ def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, t
         with target:
             mod = dl.ApplyDefaultSchedule(*default_cpu_rules())(mod)
         mod = PrefetchNextRow(mod)  # what the row kernels' schedules asked for (LLVM intrinsics)
+        mod = VectorizableTranscendentals(mod)  # TVM's own kernels' exp & co. without libm calls
     elif schedule and "gpu" in target.keys:
         mod, _ = schedule_gpu(mod, target)
     if verbose and note is not None:

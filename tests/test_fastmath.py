@@ -191,3 +191,89 @@ def test_attention_exp_is_vector_code():
     for f in funcs:
         ir = tvm.tirx.build(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target=target).inspect_source("ll")
         assert re.search(r"@llvm\.floor\.v\d+f32\(", ir) and not re.search(r"@llvm\.floor\.f32\(", ir)
+
+
+def _relax_unary_module(dtype: str, shape):
+    """One Relax function per primitive whose TVM legalization calls exp / sigmoid / tanh / erf."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    ops = {"softmax": lambda x: relax.op.nn.softmax(x, axis=-1),
+           "log_softmax": lambda x: relax.op.nn.log_softmax(x, axis=-1),
+           "sigmoid": relax.op.sigmoid, "tanh": relax.op.tanh, "gelu": relax.op.nn.gelu, "exp": relax.op.exp}
+    for name, op in ops.items():
+        x = relax.Var("x", relax.TensorType(shape, dtype))
+        with bb.function(name, [x]):
+            bb.emit_func_output(bb.emit(op(x)))
+    return bb.get(), list(ops)
+
+
+def _relax_reference(name, x):
+    with np.errstate(all="ignore"):
+        if name in ("softmax", "log_softmax"):
+            m = np.max(x, axis=-1, keepdims=True)
+            s = np.sum(np.exp(x - m), axis=-1, keepdims=True)
+            return np.exp(x - m) / s if name == "softmax" else x - m - np.log(s)
+        return {"sigmoid": lambda v: 1.0 / (1.0 + np.exp(-v)), "tanh": np.tanh, "exp": np.exp,
+                "gelu": lambda v: 0.5 * v * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2.0)))}[name](x)
+
+
+def test_tvm_legalized_kernels_use_the_vectorizable_transcendentals():
+    """Kernels that TVM legalizes (softmax, log_softmax, sigmoid, tanh, GELU, exp: a model's forward,
+    the decomposed backward graphs) get the float32 formulas in place of libm calls when built with
+    ``rlx_tvm.compile`` for an LLVM target: no exp/erf/tanh call left in the TIR or the code; results
+    against float64 NumPy over ordinary and extreme rows (+-100, +-inf, NaN); float64 keeps libm."""
+    import rlx_tvm
+    from tvm import relax
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((6, 1000)) * 4).astype(np.float32)
+    x[1, :] *= 25.0
+    x[2, 7], x[3, 9], x[4, 11], x[5, 13] = np.inf, -np.inf, np.nan, 100.0
+    target = cpu_target()
+    for dtype in ("float32", "float64"):
+        mod, names = _relax_unary_module(dtype, x.shape)
+        lowered = rlx_tvm.build.lower(mod, target, tuning_log=None, verbose=False)
+        scripts = "\n".join(f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+        libm = re.findall(r"T\.(exp|erf|tanh|sigmoid)\(", scripts)
+        assert (not libm) if dtype == "float32" else libm, (dtype, sorted(set(libm)))
+        ex = tvm.compile(lowered, target=target)
+        if dtype == "float32":
+            calls = set(re.findall(r"call\w*\s+(\S+)", ex.mod.imports[0].inspect_source("asm")))
+            assert not {c for c in calls if re.match(r"(erf|exp|tanh)f?@", c)}, calls
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        xd = x.astype(dtype)
+        for name in names:
+            got = vm[name](tvm.runtime.tensor(xd)).numpy().astype(np.float64)
+            with np.errstate(over="ignore"):  # rounded to the dtype: float32 exp overflows past 88.7
+                want = _relax_reference(name, xd.astype(np.float64)).astype(dtype).astype(np.float64)
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{name} {dtype}")
+            ok = ~np.isnan(want)
+            np.testing.assert_array_equal(np.isinf(got[ok]), np.isinf(want[ok]), err_msg=f"{name} {dtype}")
+            fin = ok & np.isfinite(want)
+            tol = 2e-6 if dtype == "float32" else 1e-12
+            np.testing.assert_allclose(got[fin], want[fin], rtol=tol, atol=tol, err_msg=f"{name} {dtype}")
+
+
+def test_transcendental_of_a_large_argument_keeps_libm():
+    """A call whose argument is already large (here exp of a rewritten tanh) stays the intrinsic:
+    the formulas repeat their argument, and build time would grow with each nesting level."""
+    from tvm.script import tirx as T
+
+    from rlx_tvm.schedules.transcendentals import vectorizable_transcendentals
+
+    @T.prim_func(private=True, s_tir=True)
+    def nested(x: T.Buffer((8,), "float32"), y: T.Buffer((8,), "float32")):
+        for i in range(8):
+            with T.sblock("y"):
+                vi = T.axis.remap("S", [i])
+                y[vi] = T.exp(T.tanh(x[vi]))
+
+    script = vectorizable_transcendentals(nested).script()
+    assert script.count("T.exp(") == 1 and "T.tanh(" not in script, script
+    lib = tvm.compile(tvm.IRModule({"main": vectorizable_transcendentals(nested).with_attr("global_symbol", "main")}),
+                      target=cpu_target())
+    xs = np.linspace(-3, 3, 8).astype(np.float32)
+    out = tvm.runtime.empty((8,), "float32")
+    lib(tvm.runtime.tensor(xs), out)
+    np.testing.assert_allclose(out.numpy(), np.exp(np.tanh(xs.astype(np.float64))), rtol=1e-6)
