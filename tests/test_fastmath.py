@@ -1,8 +1,8 @@
 """The vectorizable float32 exp / erf / tanh / sigmoid of the fused kernels, against float64 NumPy
 over their whole range, the float32 edge values and the special values, built for a generic
 x86-64 target (powers of two assembled in the exponent bits) and for this machine (``vscalefps``
-where it has AVX-512); and the check that a fused kernel using them no longer calls libm's
-scalar functions."""
+where it has AVX-512); the check that a fused kernel using them no longer calls libm's scalar
+functions; and that kernels TVM legalizes get them too (``VectorizableTranscendentals``)."""
 
 import math
 import re
