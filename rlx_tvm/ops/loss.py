@@ -364,6 +364,60 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
     def exp_at(dz, e, i, j):
         return tirx.BufferLoad(exps(dz, e), [exp_row(i), j])
 
+    @T.macro
+    def chunk_stats(z, dz, e, i, lane_max, lane_sum, chunk_max, chunk_sum, k, start, vectors, singles_start, singles):
+        """Chunk ``k`` of row ``i`` (``vectors`` vectors from ``start``, then ``singles`` single
+        classes): its max into chunk_max[k]; exp(z - max) into the exp row, summed into
+        chunk_sum[k]."""
+        for l in T.vectorized(lanes):
+            lane_max[l] = lowest
+        if vectors > 0:
+            for v in range(vectors):
+                for l in T.vectorized(lanes):
+                    lane_max[l] = T.Select(T.cast(z[i, start + v * lanes + l], acc) > lane_max[l],
+                                           T.cast(z[i, start + v * lanes + l], acc), lane_max[l])
+        chunk_max[k] = lowest
+        for l in range(lanes):
+            chunk_max[k] = T.max(chunk_max[k], lane_max[l])
+        if singles > 0:
+            for j in range(singles):
+                chunk_max[k] = T.Select(T.cast(z[i, singles_start + j], acc) > chunk_max[k],
+                                        T.cast(z[i, singles_start + j], acc), chunk_max[k])
+        for l in T.vectorized(lanes):
+            lane_sum[l] = zero
+        if vectors > 0:
+            for v in range(vectors):
+                for l in T.vectorized(lanes):
+                    T.buffer_store(exps(dz, e), tir_exp_nonpositive(
+                        T.cast(z[i, start + v * lanes + l], acc) - chunk_max[k], nan="clamp"),
+                        [exp_row(i), start + v * lanes + l])
+                    lane_sum[l] = lane_sum[l] + exp_at(dz, e, i, start + v * lanes + l)
+        chunk_sum[k] = zero
+        for l in range(lanes):
+            chunk_sum[k] = chunk_sum[k] + lane_sum[l]
+        if singles > 0:
+            for j in range(singles):
+                T.buffer_store(exps(dz, e), tir_exp_nonpositive(
+                    T.cast(z[i, singles_start + j], acc) - chunk_max[k], nan="clamp"), [exp_row(i), singles_start + j])
+                chunk_sum[k] = chunk_sum[k] + exp_at(dz, e, i, singles_start + j)
+
+    @T.macro
+    def gradient(dz, e, i, label, d_loss, chunk_max, k, start, vectors, singles_start, singles):
+        """Chunk ``k``'s gradient in row ``i``, from its exps and its factor (chunk_max[k] by then)."""
+        if vectors > 0:
+            for v in range(vectors):
+                for l in T.vectorized(lanes):
+                    dz[i, start + v * lanes + l] = T.cast(T.Select(
+                        T.Cast("int64", label[i]) != ignored,
+                        exp_at(dz, e, i, start + v * lanes + l) * chunk_max[k]
+                        - spread * T.cast(d_loss[d_loss_row(i)], acc), zero), dtype)
+        if singles > 0:
+            for j in range(singles):
+                dz[i, singles_start + j] = T.cast(T.Select(
+                    T.Cast("int64", label[i]) != ignored,
+                    exp_at(dz, e, i, singles_start + j) * chunk_max[k] - spread * T.cast(d_loss[d_loss_row(i)], acc),
+                    zero), dtype)
+
     @T.prim_func(private=True, s_tir=True)
     def kernel(z_h: T.handle, label_h: T.handle, d_loss_h: T.handle, dz_h: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -383,58 +437,10 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
                 stats = T.sblock_alloc_buffer((2,), acc)  # the row max, then the row's sum of exp
                 e = T.sblock_alloc_buffer((1, 1 if direct else c), acc)
                 for k in range(n_whole):
-                    for l in T.vectorized(lanes):
-                        lane_max[l] = lowest
-                    for v in range(chunk_vectors):
-                        for l in T.vectorized(lanes):
-                            lane_max[l] = T.Select(T.cast(z[i, k * chunk + v * lanes + l], acc) > lane_max[l],
-                                                   T.cast(z[i, k * chunk + v * lanes + l], acc), lane_max[l])
-                    chunk_max[k] = lowest
-                    for l in range(lanes):
-                        chunk_max[k] = T.max(chunk_max[k], lane_max[l])
-                    for l in T.vectorized(lanes):
-                        lane_sum[l] = zero
-                    for v in range(chunk_vectors):
-                        for l in T.vectorized(lanes):
-                            T.buffer_store(exps(dz, e), tir_exp_nonpositive(
-                                T.cast(z[i, k * chunk + v * lanes + l], acc) - chunk_max[k], nan="clamp"),
-                                [exp_row(i), k * chunk + v * lanes + l])
-                            lane_sum[l] = lane_sum[l] + exp_at(dz, e, i, k * chunk + v * lanes + l)
-                    chunk_sum[k] = zero
-                    for l in range(lanes):
-                        chunk_sum[k] = chunk_sum[k] + lane_sum[l]
+                    chunk_stats(z, dz, e, i, lane_max, lane_sum, chunk_max, chunk_sum, k, k * chunk, chunk_vectors, 0, 0)
                 if n_chunks > n_whole:  # the short chunk, the same way
-                    for l in T.vectorized(lanes):
-                        lane_max[l] = lowest
-                        lane_sum[l] = zero
-                    if tail_vectors > 0:
-                        for v in range(tail_vectors):
-                            for l in T.vectorized(lanes):
-                                lane_max[l] = T.Select(T.cast(z[i, tail_start + v * lanes + l], acc) > lane_max[l],
-                                                       T.cast(z[i, tail_start + v * lanes + l], acc), lane_max[l])
-                    chunk_max[n_whole] = lowest
-                    for l in range(lanes):
-                        chunk_max[n_whole] = T.max(chunk_max[n_whole], lane_max[l])
-                    if singles > 0:
-                        for j in range(singles):
-                            chunk_max[n_whole] = T.Select(T.cast(z[i, single_start + j], acc) > chunk_max[n_whole],
-                                                          T.cast(z[i, single_start + j], acc), chunk_max[n_whole])
-                    if tail_vectors > 0:
-                        for v in range(tail_vectors):
-                            for l in T.vectorized(lanes):
-                                T.buffer_store(exps(dz, e), tir_exp_nonpositive(
-                                    T.cast(z[i, tail_start + v * lanes + l], acc) - chunk_max[n_whole], nan="clamp"),
-                                    [exp_row(i), tail_start + v * lanes + l])
-                                lane_sum[l] = lane_sum[l] + exp_at(dz, e, i, tail_start + v * lanes + l)
-                    chunk_sum[n_whole] = zero
-                    for l in range(lanes):
-                        chunk_sum[n_whole] = chunk_sum[n_whole] + lane_sum[l]
-                    if singles > 0:
-                        for j in range(singles):
-                            T.buffer_store(exps(dz, e), tir_exp_nonpositive(
-                                T.cast(z[i, single_start + j], acc) - chunk_max[n_whole], nan="clamp"),
-                                [exp_row(i), single_start + j])
-                            chunk_sum[n_whole] = chunk_sum[n_whole] + exp_at(dz, e, i, single_start + j)
+                    chunk_stats(z, dz, e, i, lane_max, lane_sum, chunk_max, chunk_sum, n_whole, tail_start, tail_vectors,
+                                single_start, singles)
                 stats[0] = lowest
                 for k in range(n_chunks):
                     stats[0] = T.max(stats[0], chunk_max[k])
@@ -444,25 +450,10 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
                     stats[1] = stats[1] + chunk_sum[k] * chunk_max[k]
                 for k in range(n_chunks):  # ... times d_loss / total
                     chunk_max[k] = chunk_max[k] * (T.cast(d_loss[d_loss_row(i)], acc) / stats[1])
-                for k, v in T.grid(n_whole, chunk_vectors):
-                    for l in T.vectorized(lanes):
-                        dz[i, k * chunk + v * lanes + l] = T.cast(T.Select(
-                            T.Cast("int64", label[i]) != ignored,
-                            exp_at(dz, e, i, k * chunk + v * lanes + l) * chunk_max[k]
-                            - spread * T.cast(d_loss[d_loss_row(i)], acc), zero), dtype)
-                if tail_vectors > 0:
-                    for v in range(tail_vectors):
-                        for l in T.vectorized(lanes):
-                            dz[i, tail_start + v * lanes + l] = T.cast(T.Select(
-                                T.Cast("int64", label[i]) != ignored,
-                                exp_at(dz, e, i, tail_start + v * lanes + l) * chunk_max[n_whole]
-                                - spread * T.cast(d_loss[d_loss_row(i)], acc), zero), dtype)
-                if singles > 0:
-                    for j in range(singles):
-                        dz[i, single_start + j] = T.cast(T.Select(
-                            T.Cast("int64", label[i]) != ignored,
-                            exp_at(dz, e, i, single_start + j) * chunk_max[n_whole]
-                            - spread * T.cast(d_loss[d_loss_row(i)], acc), zero), dtype)
+                for k in range(n_whole):
+                    gradient(dz, e, i, label, d_loss, chunk_max, k, k * chunk, chunk_vectors, 0, 0)
+                if n_chunks > n_whole:
+                    gradient(dz, e, i, label, d_loss, chunk_max, n_whole, tail_start, tail_vectors, single_start, singles)
                 if T.Cast("int64", label[i]) != ignored and T.Cast("int64", label[i]) >= 0 \
                         and T.Cast("int64", label[i]) < c:
                     if direct:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target.codegen import llvm_get_vector_width
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -75,6 +77,18 @@ def vector_lanes(target, bits: int = 32) -> int:
     """Elements of ``bits`` bits in one vector register of an LLVM CPU target (16 float32 with
     AVX-512; the schedules size their vector loops by float32)."""
     return max(1, llvm_get_vector_width(target) // bits)
+
+
+def expression_nodes(expr) -> int:
+    """The nodes of a TIR expression tree (a size: repeated subtrees count each time)."""
+    count = [0]
+
+    def visit(_node):
+        count[0] += 1
+        return None
+
+    tvm_ffi.structural_walk(expr, (tvm.ir.expr.Expr, visit), order="post")
+    return count[0]
 
 
 def fuse_loops(sch: s_tir.Schedule, loops: list):

@@ -29,6 +29,7 @@ from tvm.sym import Analyzer
 
 from ..ops._llvm import prefetch
 from ..ops.registry import static_int
+from .common import expression_nodes
 
 __all__ = ["ANNOTATION", "PrefetchNextRow", "prefetch_next_row"]
 
@@ -82,14 +83,7 @@ def _arithmetic(stmt) -> int:
     if isinstance(stmt, s_tir.SBlockRealize):
         return _arithmetic(stmt.block.body)
     if isinstance(stmt, tirx.BufferStore):
-        nodes = [0]
-
-        def count(_node):
-            nodes[0] += 1
-            return None
-
-        tvm_ffi.structural_walk(stmt.value, (tvm.ir.expr.Expr, count), order="post")
-        return nodes[0]
+        return expression_nodes(stmt.value)
     body = getattr(stmt, "body", None)
     return _arithmetic(body) if isinstance(body, tirx.Stmt) else 0
 

@@ -21,6 +21,7 @@ import tvm_ffi
 from tvm import tirx
 
 from ..ops._math import erf_f32, exp_f32, tanh_f32, tir_sigmoid
+from .common import expression_nodes
 
 __all__ = ["VectorizableTranscendentals", "vectorizable_transcendentals"]
 
@@ -29,17 +30,6 @@ _FORMULAS = {"tirx.exp": exp_f32, "tirx.sigmoid": tir_sigmoid, "tirx.tanh": tanh
 # Argument size (expression nodes) up to which a call is replaced: softmax's x - max is 5 nodes,
 # an argument holding one rewritten exp several hundred.
 MAX_ARGUMENT_NODES = 64
-
-
-def _nodes(expr: tirx.PrimExpr) -> int:
-    count = [0]
-
-    def visit(_node):
-        count[0] += 1
-        return None
-
-    tvm_ffi.structural_walk(expr, (tvm.ir.expr.Expr, visit), order="post")
-    return count[0]
 
 
 def vectorizable_transcendentals(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -51,7 +41,7 @@ def vectorizable_transcendentals(func: tirx.PrimFunc) -> tirx.PrimFunc:
             return call
         formula = _FORMULAS.get(call.op.name)
         if formula is None or str(call.ty) != "float32" or len(call.args) != 1 \
-                or _nodes(call.args[0]) > MAX_ARGUMENT_NODES:
+                or expression_nodes(call.args[0]) > MAX_ARGUMENT_NODES:
             return call
         return formula(call.args[0])
 
