@@ -7,6 +7,7 @@ from functools import lru_cache, partial
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 
 from rlx_tvm import ops
@@ -15,6 +16,7 @@ from rlx_tvm.testing import (
     Case, GradCase, build_module, check_cases, check_finite_differences, compare, compile_and_run, run_cases,
 )
 from rlx_tvm import build
+from rlx_tvm.schedules.common import uses
 from rlx_tvm.schedules.tune import cpu_target
 
 from .helpers import MATRIX, assert_op_error, tensor_var
@@ -153,33 +155,71 @@ def test_cpu_direct_forms_are_used_for_unit_stride():
     assert "dy_pad" not in gpu and "x_pad_nhwc" not in gpu
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_direct_forms_under_the_default_cpu_schedule(dtype):
-    """The direct forms as rlx_tvm.compile schedules them when untuned: register-blocked tiles
-    (local accumulators) over rows of 24 (half vectors), 56 and 16 columns and over 8-channel
-    rows, each tile at most TILE_ACCUMULATORS vectors (more spill to the stack every step)."""
+def _register_tiles(func: tirx.PrimFunc, lanes: int) -> list[tuple[str, int, int]]:
+    """(block, accumulator registers, registers per tile row) of each register-blocked update
+    block: the unrolled and vector loops in its column index make a tile row, the other unrolled
+    loops its rows."""
+    loops, tiles = {}, []
+
+    def visit_loop(loop):
+        loops[loop.loop_var] = loop
+
+    def visit_block(realize):
+        name = realize.block.name_hint
+        spatial = [v for iv, v in zip(realize.block.iter_vars, realize.iter_values) if iv.iter_type == 0]
+        around = [lp for lp in loops.values() if lp.kind in (tirx.ForKind.UNROLLED, tirx.ForKind.VECTORIZED)
+                  and any(uses(v, lp.loop_var) for v in spatial)]
+        vector = [lp for lp in around if lp.kind == tirx.ForKind.VECTORIZED]
+        if not name.endswith("_update") or len(vector) != 1:
+            return
+        in_row = [lp for lp in around if uses(spatial[-1], lp.loop_var)]
+        width = int(np.prod([int(lp.extent) for lp in in_row]))
+        unit = lanes if int(vector[0].extent) % lanes == 0 else lanes // 2
+        rows = int(np.prod([int(lp.extent) for lp in around if lp not in in_row]))
+        tiles.append((name, rows * width // unit, width // unit))
+
+    tvm_ffi.structural_walk(func.body, (tirx.For, visit_loop), order="pre")
+    tvm_ffi.structural_walk(func.body, (tvm.s_tir.SBlockRealize, visit_block), order="post")
+    return tiles
+
+
+DIRECT_FORM_CASES = [*conv_cases("24-wide rows", 2, 8, 8, (6, 24), (3, 3), padding=1),
+                     *conv_cases("56-wide rows", 1, 8, 8, (3, 56), (3, 3), padding=1),
+                     *conv_cases("16-wide rows", 1, 8, 12, (4, 16), (2, 3), padding=(1, 1, 0, 1)),
+                     *conv_cases("64 channels", 1, 64, 64, (4, 8), (3, 3), padding=1)]
+
+
+@pytest.mark.parametrize("mcpu", ["znver3", "haswell", "znver4", "skylake-avx512"])
+def test_direct_form_tiles_fit_the_vector_registers(mcpu):
+    """The register-blocked tiles of the direct forms, as the default CPU schedule builds them for
+    AVX2 (16 vector registers of 8 float32) and AVX-512 (32 of 16): accumulators at most
+    TILE_ACCUMULATORS, and with one row's shared loads and a broadcast within the registers (more
+    spill to the stack on every step: conv2d dw on AVX2 ran 1.5x slower with AVX-512's tiles)."""
+    from rlx_tvm.schedules.common import vector_lanes, vector_registers
     from rlx_tvm.schedules.cpu import TILE_ACCUMULATORS
 
-    cases = [*conv_cases("24-wide rows", 2, 8, 8, (6, 24), (3, 3), padding=1),
-             *conv_cases("56-wide rows", 1, 8, 8, (3, 56), (3, 3), padding=1),
-             *conv_cases("16-wide rows", 1, 8, 12, (4, 16), (2, 3), padding=(1, 1, 0, 1))]
-    lowered = build.lower(build_module(cases, dtype, False), cpu_target(), tuning_log=None, verbose=False)
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    lanes, registers = vector_lanes(target), vector_registers(target)
+    assert (lanes, registers) == ((16, 32) if "avx512" in mcpu or mcpu == "znver4" else (8, 16))
+    lowered = build.lower(build_module(DIRECT_FORM_CASES, "float32", False), target, tuning_log=None, verbose=False)
     funcs = [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
-    assert len(funcs) == 6 and all('scope="local"' in f.script() for f in funcs)
-    lanes = tvm.target.codegen.llvm_get_vector_width(cpu_target()) // 32  # the schedule's unit: float32 lanes
-    for f in funcs:
-        sch = tvm.s_tir.Schedule(f)
-        for block in sch.get_child_blocks(sch.get_sblock("root")):
-            if not sch.get(block).name_hint.endswith("_update"):
-                continue
-            loops = [sch.get(lp) for lp in sch.get_loops(block)]
-            if loops[-1].kind != tirx.ForKind.VECTORIZED:
-                continue
-            unrolled = [int(lp.extent) for lp in loops if lp.kind == tirx.ForKind.UNROLLED]
-            vectors = int(np.prod(unrolled)) * max(1, int(loops[-1].extent) // lanes)
-            assert vectors <= TILE_ACCUMULATORS, (sch.get(block).name_hint, unrolled, int(loops[-1].extent))
-    outs = compile_and_run(lowered, cases, dtype, target=cpu_target())
-    failures = [f"{c.name}: {p}" for c, o in zip(cases, outs) if (p := compare(o, c.reference(dtype), dtype))]
+    assert len(funcs) == 8 and all('scope="local"' in f.script() for f in funcs)
+    tiles = [t for f in funcs for t in _register_tiles(f, lanes)]
+    assert len(tiles) == 8, tiles
+    for name, accumulators, row in tiles:
+        assert accumulators <= TILE_ACCUMULATORS and accumulators + row + 1 <= registers, (name, accumulators, row)
+        assert accumulators >= 4, (name, accumulators, row)  # a tile, not one vector at a time
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_direct_forms_under_the_default_cpu_schedule(dtype):
+    """The direct forms as rlx_tvm.compile schedules them when untuned (register-blocked tiles,
+    local accumulators), on this machine's CPU."""
+    lowered = build.lower(build_module(DIRECT_FORM_CASES, dtype, False), cpu_target(), tuning_log=None, verbose=False)
+    funcs = [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
+    assert len(funcs) == 8 and all('scope="local"' in f.script() for f in funcs)
+    outs = compile_and_run(lowered, DIRECT_FORM_CASES, dtype, target=cpu_target())
+    failures = [f"{c.name}: {p}" for c, o in zip(DIRECT_FORM_CASES, outs) if (p := compare(o, c.reference(dtype), dtype))]
     assert not failures, "\n".join(failures)
 
 

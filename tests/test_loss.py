@@ -278,12 +278,15 @@ def test_cpu_kernel_label_on_every_class_and_out_of_range():
     one-hot row), static and symbolic rows, in both CPU kernels: the TE kernel, which compares
     class and label as (vector block, place in block), on both sides of each block edge; and the
     chunked kernel (float16 / float32 / float64), which corrects the label's one element after the
-    row, also where it lies past the last whole vector (40 classes: two 16-wide vectors and 8
-    single classes; float16 only there, 48 float16 classes take the TE kernel)."""
+    row, also where it lies past the last whole vector (44 classes: 2 AVX-512 vectors and 12
+    single classes, or 5 AVX2 vectors and 4; float16 only there, 48 float16 classes, whole
+    vectors for both, take the TE kernel)."""
     from rlx_tvm import build
+    from rlx_tvm.schedules.common import vector_lanes
     from rlx_tvm.schedules.tune import cpu_target
 
-    for c in (40, 48):
+    lanes = vector_lanes(cpu_target())
+    for c in (44, 48):
         labels = np.array([*range(c), c, c + 16, -1, -17, 1 << 40, -100], np.int64)
         n = len(labels)
         case = Case("softmax_cross_entropy_backward",
@@ -295,7 +298,7 @@ def test_cpu_kernel_label_on_every_class_and_out_of_range():
             lowered = build.lower(mod, cpu_target(), tuning_log=None, verbose=False)
             (kernel,) = [f for g, f in lowered.functions.items() if g.name_hint.startswith("rlx_softmax_cross_entropy")]
             # (half precision takes the chunked kernel for rows that are no whole number of vectors)
-            assert ("chunk_max" in kernel.script()) != (te or (dtype == "float16" and c % 16 == 0)), (c, dtype)
+            assert ("chunk_max" in kernel.script()) != (te or (dtype == "float16" and c % lanes == 0)), (c, dtype)
             vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
             got = vm["case_0"](*[tvm.runtime.tensor(a) for a in case.cast_inputs(dtype).values()]).numpy()
             want = case.reference(dtype)
@@ -378,7 +381,7 @@ def test_cpu_chunked_kernel_half_precision():
     target = cpu_target()
     whole = build.lower(build_module([_backward_case(4, 48)], "bfloat16", False), target, tuning_log=None, verbose=False)
     assert all("chunk_max" not in f.script() for g, f in whole.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
-    for c in (40, 1000):
+    for c in (44, 1004):  # no whole number of 8- or 16-lane vectors
         logits, labels = _chunked_kernel_rows(c)
         logits[7] = RNG.standard_normal(c)
         logits[7, labels[7]] = 12.0  # p of the label near 1: its gradient is small, rounding shows

@@ -16,6 +16,7 @@ from rlx_tvm.testing import (
     CHECK_TARGET, Case, GradCase, check_cases, compare, check_finite_differences, check_gradients, finite_difference_vjp,
     run_cases,
 )
+from rlx_tvm.schedules.common import vector_lanes
 from rlx_tvm.schedules.prefetch import ANNOTATION as PREFETCH_ANNOTATION
 
 from .helpers import MATRIX, assert_op_error, tensor_var
@@ -613,7 +614,7 @@ def test_merged_row_schedule_runs_every_stage_in_one_parallel_loop(symbolic):
             # their own over x and dy)
             reads = {r.source.name for r in sch.get(sch.get_sblock("mean_s")).reads}
             assert not reads & {"x", "dy"}, reads
-            lanes = tvm.target.codegen.llvm_get_vector_width(cpu_target()) // 32
+            lanes = vector_lanes(cpu_target())
             vector = [lp for lp in dx_loops if lp.kind == tvm.tirx.ForKind.VECTORIZED]
             assert [int(lp.extent) for lp in vector] == [lanes], (vector, lanes)
         else:

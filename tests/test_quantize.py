@@ -373,6 +373,41 @@ def test_half_precision_computes_in_float32():
             np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * max(1.0, np.abs(ref).max()), err_msg=f"{path} {c.name}")
 
 
+def test_whole_tensor_scale_under_the_default_cpu_schedule():
+    """A per-tensor scale at 128K elements, as rlx_tvm.compile schedules it untuned: max|x| over
+    the whole tensor in parallel parts of vectors (not one serial scalar loop), each estimator
+    equal to the SPEC formulas in float32 and float64 (the max is exact in any order)."""
+    from rlx_tvm import build
+    from rlx_tvm.schedules.tune import cpu_target
+
+    shape = (128, 1024)
+    x, dy = quant_input(shape, 8), RNG.standard_normal(shape)
+    for dtype in ("float32", "float64"):
+        bb = relax.BlockBuilder()
+        xv, dyv = tensor_var("x", shape, dtype), tensor_var("dy", shape, dtype)
+        with bb.function("main", [xv, dyv]):
+            with bb.dataflow():
+                out = bb.emit_output(relax.Tuple([ops.fake_quantize_backward(xv, dyv, bits=8, ste=ste) for ste in STES]))
+            bb.emit_func_output(out)
+        lowered = build.lower(bb.get(), cpu_target(), tuning_log=None, verbose=False)
+        checked = 0
+        for name, func in lowered.functions.items():
+            if isinstance(func, tvm.tirx.PrimFunc) and "absmax" in func.script():  # all but identity
+                sch = tvm.s_tir.Schedule(func)
+                partial = next(b for b in sch.get_child_blocks(sch.get_sblock("root"))
+                               if sch.get(b).name_hint.startswith("absmax_rf"))
+                kinds = [sch.get(lp).kind for lp in sch.get_loops(partial)]
+                assert tvm.tirx.ForKind.PARALLEL in kinds and kinds[-1] == tvm.tirx.ForKind.VECTORIZED, (name, kinds)
+                checked += 1
+        assert checked == 3
+        vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
+        outs = vm["main"](tvm.runtime.tensor(x.astype(dtype)), tvm.runtime.tensor(dy.astype(dtype)))
+        for ste, out in zip(STES, outs):
+            ref = spec_backward(x.astype(dtype).astype(np.float64), dy.astype(dtype).astype(np.float64), 8, ste=ste)
+            np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5 if dtype == "float32" else 1e-12, atol=1e-6,
+                                       err_msg=f"{dtype} {ste}")
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 

@@ -209,9 +209,11 @@ def test_default_reduction_schedules_are_vectorized_and_correct():
 
 
 def test_short_rows_take_half_vectors():
-    """A row sum over several short axes (group norm's channels x H x W with W = 56, no multiple
-    of the 16-lane vector) is summed in 8-lane partial sums, and an elementwise kernel over rows
-    of 56 is vectorized by 8; both match NumPy, and a row of 20 stays scalar."""
+    """A row sum over several short axes (group norm's channels x H x W with W = 56) and
+    elementwise kernels over rows of 56 and of 20 take the widest whole or half vector that
+    divides the row: for AVX-512 (16 lanes) 8-lane partial sums, 8-lane vectors, and a row of 20
+    stays scalar; for AVX2 (8 lanes) whole 8-lane vectors and 4-lane halves for the row of 20.
+    Built for this machine's CPU, all three match NumPy."""
     rng = np.random.default_rng(5)
     arrays = [rng.standard_normal(s).astype("float32") for s in [(4, 3, 8, 56), (6, 56), (6, 20)]]
     bb = relax.BlockBuilder()
@@ -219,14 +221,19 @@ def test_short_rows_take_half_vectors():
     with bb.function("main", params):
         outs = [relax.op.sum(params[0], axis=[1, 2, 3]), relax.op.exp(params[1]), relax.op.exp(params[2])]
         bb.emit_func_output(relax.Tuple([bb.emit(o) for o in outs]))
+    shapes = ("T.int64(3), T.int64(8)", "T.int64(6), T.int64(56)", "T.int64(6), T.int64(20)")
+    for mcpu, widths in (("znver4", (8, 8, None)), ("znver3", (8, 8, 4))):
+        target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+        lowered = build.lower(bb.get(), target, tuning_log=None, verbose=False)
+        scripts = {name.name_hint: f.script() for name, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+        assert len(scripts) == 3, sorted(scripts)
+        by_shape = [next(v for v in scripts.values() if s in v) for s in shapes]
+        assert "_rf" in by_shape[0], mcpu
+        for script, width in zip(by_shape, widths):
+            vectorized = re.findall(r"T\.vectorized\(T\.int64\((\d+)\)\)", script)
+            assert vectorized == ([] if width is None else [str(width)] * len(vectorized)) and bool(vectorized) == bool(width), \
+                (mcpu, width, vectorized)
     lowered = build.lower(bb.get(), cpu_target(), tuning_log=None, verbose=False)
-    scripts = {name.name_hint: f.script() for name, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
-    assert len(scripts) == 3, sorted(scripts)
-    by_shape = {s: next(v for v in scripts.values() if s in v) for s in ("T.int64(3), T.int64(8)", "T.int64(6), T.int64(56)",
-                                                                            "T.int64(6), T.int64(20)")}
-    assert "T.vectorized(T.int64(8))" in by_shape["T.int64(3), T.int64(8)"] and "_rf" in by_shape["T.int64(3), T.int64(8)"]
-    assert "T.vectorized(T.int64(8))" in by_shape["T.int64(6), T.int64(56)"]
-    assert "T.vectorized" not in by_shape["T.int64(6), T.int64(20)"]
     vm = relax.VirtualMachine(tvm.compile(lowered, target=cpu_target()), tvm.cpu())
     got = [o.numpy() for o in vm["main"](*as_tensors(arrays))]
     _close(got, [arrays[0].sum((1, 2, 3)), np.exp(arrays[1]), np.exp(arrays[2])], "short rows")
