@@ -157,26 +157,31 @@ def test_cpu_direct_forms_are_used_for_unit_stride():
 
 def _register_tiles(func: tirx.PrimFunc, lanes: int) -> list[tuple[str, int, int]]:
     """(block, accumulator registers, registers per tile row) of each register-blocked update
-    block: the unrolled and vector loops in its column index make a tile row, the other unrolled
-    loops its rows."""
+    block. A tile row is what one broadcast of the row side (the read that does not depend on the
+    columns: conv2d dx's w, dw's dy) multiplies: the unrolled and vector loops of the output
+    indices that this read does not depend on; the other unrolled loops make the rows."""
     loops, tiles = {}, []
 
     def visit_loop(loop):
         loops[loop.loop_var] = loop
 
     def visit_block(realize):
-        name = realize.block.name_hint
-        spatial = [v for iv, v in zip(realize.block.iter_vars, realize.iter_values) if iv.iter_type == 0]
-        around = [lp for lp in loops.values() if lp.kind in (tirx.ForKind.UNROLLED, tirx.ForKind.VECTORIZED)
-                  and any(uses(v, lp.loop_var) for v in spatial)]
-        vector = [lp for lp in around if lp.kind == tirx.ForKind.VECTORIZED]
-        if not name.endswith("_update") or len(vector) != 1:
+        block = realize.block
+        spatial = {iv.var: v for iv, v in zip(block.iter_vars, realize.iter_values) if iv.iter_type == 0}
+        tile = {var: [lp for lp in loops.values() if lp.kind in (tirx.ForKind.UNROLLED, tirx.ForKind.VECTORIZED)
+                      and uses(v, lp.loop_var)] for var, v in spatial.items()}
+        vector = [lp for lps in tile.values() for lp in lps if lp.kind == tirx.ForKind.VECTORIZED]
+        if not block.name_hint.endswith("_update") or len(vector) != 1:
             return
-        in_row = [lp for lp in around if uses(spatial[-1], lp.loop_var)]
-        width = int(np.prod([int(lp.extent) for lp in in_row]))
+        column = list(spatial)[-1]
+        written = block.writes[0].source
+        broadcast = [r for r in block.reads if not r.source.same_as(written)
+                     and not any(uses(rg.min, column) for rg in r.region)]
+        row_vars = {var for var in spatial if any(uses(rg.min, var) for r in broadcast for rg in r.region)}
+        rows = int(np.prod([int(lp.extent) for var in row_vars for lp in tile[var]]))
+        per_row = int(np.prod([int(lp.extent) for var, lps in tile.items() if var not in row_vars for lp in lps]))
         unit = lanes if int(vector[0].extent) % lanes == 0 else lanes // 2
-        rows = int(np.prod([int(lp.extent) for lp in around if lp not in in_row]))
-        tiles.append((name, rows * width // unit, width // unit))
+        tiles.append((block.name_hint, rows * per_row // unit, per_row // unit))
 
     tvm_ffi.structural_walk(func.body, (tirx.For, visit_loop), order="pre")
     tvm_ffi.structural_walk(func.body, (tvm.s_tir.SBlockRealize, visit_block), order="post")
@@ -206,6 +211,8 @@ def test_direct_form_tiles_fit_the_vector_registers(mcpu):
     assert len(funcs) == 8 and all('scope="local"' in f.script() for f in funcs)
     tiles = [t for f in funcs for t in _register_tiles(f, lanes)]
     assert len(tiles) == 8, tiles
+    if mcpu == "znver3":  # conv2d dx's 56-wide rows on AVX2: 4 channels x 2 output rows of a vector
+        assert ("conv2d_dx_acc_update", 8, 2) in tiles, tiles
     for name, accumulators, row in tiles:
         assert accumulators <= TILE_ACCUMULATORS and accumulators + row + 1 <= registers, (name, accumulators, row)
         assert accumulators >= 4, (name, accumulators, row)  # a tile, not one vector at a time
