@@ -199,7 +199,8 @@ def test_direct_form_tiles_fit_the_vector_registers(mcpu):
     """The register-blocked tiles of the direct forms, as the default CPU schedule builds them for
     AVX2 (16 vector registers of 8 float32) and AVX-512 (32 of 16): accumulators at most
     TILE_ACCUMULATORS, and with one row's shared loads and a broadcast within the registers (more
-    spill to the stack on every step: conv2d dw on AVX2 ran 1.5x slower with AVX-512's tiles)."""
+    spill to the stack on every step: conv2d dw on AVX2, one thread, ran 1.5x slower with AVX-512's
+    tiles)."""
     from rlx_tvm.schedules.common import vector_lanes, vector_registers
     from rlx_tvm.schedules.cpu import TILE_ACCUMULATORS
 

@@ -31,10 +31,12 @@ class ParallelFallback(CPUScheduleRule):
     reads them per row (norm and softmax-CE backward) runs all its stages in one parallel loop over
     the rows; otherwise per remaining block parallelize the fused leading spatial loops and
     vectorize: a static innermost spatial loop; a long contiguous row reduction (as ``lanes``
-    partial sums); a column reduction (along its columns).
+    partial sums); a column reduction (along its columns); a reduction over a whole tensor (in
+    parts, one per parallel iteration, whose results one serial loop combines).
 
-    Every output element is written by one thread only (reductions are never split across the
-    parallel loop): race-free by construction, also for the gather-style scatter kernels.
+    Every output element is written by one thread only (a reduction is split across the parallel
+    loop only into parts of a buffer of their own): race-free by construction, also for the
+    gather-style scatter kernels.
     """
 
     def __init__(self, min_parallel_extent: int = 2):
@@ -382,7 +384,7 @@ class ParallelFallback(CPUScheduleRule):
                 # One-register rows (conv2d dx's 56 columns on AVX2: 7 vectors, none of which
                 # pairs up) take a few indices of the partner axis as well, sharing the row
                 # side's broadcasts: conv2d dx at N8 C64 56x56 on AVX2, 4 channels x 2 output rows of
-                # one vector against 8 channels of one, 26.2 -> 23.5 ms (interleaved).
+                # one vector against 8 channels of one, 26.2 -> 23.5 ms (one thread, interleaved).
                 outer[partner], partner_loop = sch.split(lead[partner], factors=[None, partners])
                 inner.append(partner_loop)
         sch.reorder(*outer, chunks, *reduction_loops, *inner, vec)
@@ -405,10 +407,10 @@ class ParallelFallback(CPUScheduleRule):
         """out[] = reduce over a whole tensor (fake-quantize's absmax): the elements are split into
         ``FULL_REDUCTION_PARTS`` parts per core (rfactor), each part reduced by one thread in
         vectors (as a row), then the parts in one short serial loop. Unscheduled, it was one serial
-        scalar loop (fake-quantize backward's absmax at 8M elements on AVX2: 4.8 -> 1.4 ms alone;
-        the whole kernel 7.1 -> 6.0 ms, as fast as vectors on one core on this 2-core machine,
-        where the elementwise pass after it takes most of the time). False (nothing changed) for
-        symbolic or small extents, or ones that no whole number of vectors per part divides."""
+        scalar loop (fake-quantize backward's absmax at 8M elements on AVX2, one thread: 4.8 ->
+        1.4 ms alone, the whole kernel 7.2 -> 5.5 ms; 2 threads, in two benchmark runs, 7.0 -> 4.4
+        ms). False (nothing changed) for symbolic or small extents, or ones that no whole number of
+        vectors per part divides."""
         reduced = sch.get_loops(block)[len(lead):]
         total = _static_product(sch, reduced)
         parts = next((cores * k for k in (FULL_REDUCTION_PARTS, FULL_REDUCTION_PARTS // 2, 1)
@@ -628,8 +630,8 @@ def product_tile(columns: int, rows: int | None, lanes: int, registers: int,
     loads of b that every row shares and a broadcast of a (LLVM keeps the shared loads in
     registers; beyond the target's registers the tile spills to the stack every step: AVX2's 16
     with AVX-512's 4 x 4 tiles). Ties go to more accumulators (more independent chains), then to
-    more rows (each row's b is loaded once per tile: conv2d dw at N8 C64 56x56 on AVX2, 4 rows of
-    2 registers 30.6 ms, 2 rows of 4 45.0 ms). Returns (columns, rows, partners): where the best
+    more rows (each row's b is loaded once per tile: conv2d dw at N8 C64 56x56 on AVX2, one
+    thread, 4 rows of 2 registers 30.6 ms, 2 rows of 4 45.0 ms). Returns (columns, rows, partners): where the best
     row is one register and an output axis of extent ``partner`` indexes b but not a (conv2d dx's
     output rows), a few of its indices (``partners``) join the tile's columns. None when the
     columns are no whole number of (half) registers."""
