@@ -383,16 +383,17 @@ class ParallelFallback(CPUScheduleRule):
             if partners > 1:
                 # One-register rows (conv2d dx's 56 columns on AVX2: 7 vectors, none of which
                 # pairs up) take a few indices of the partner axis as well, sharing the row
-                # side's broadcasts: conv2d dx at N8 C64 56x56 on AVX2, 4 channels x 2 output rows of
-                # one vector against 8 channels of one, 26.2 -> 23.5 ms (one thread, interleaved).
+                # side's broadcasts: conv2d dx at N8 C64 56x56 on AVX2, 4 channels x 2 output
+                # rows of one vector against 8 channels of one, 26.2 -> 23.5 ms (one thread,
+                # interleaved).
                 outer[partner], partner_loop = sch.split(lead[partner], factors=[None, partners])
                 inner.append(partner_loop)
         sch.reorder(*outer, chunks, *reduction_loops, *inner, vec)
         # Loop kinds first: once the init is split off, the update is no longer the only writer.
         unit = lanes if width % lanes == 0 else lanes // 2
-        if (width // unit) & (width // unit - 1):  # 7 registers, unrolled: LLVM splits a 56-lane vector op poorly
-            registers_, vec = sch.split(vec, factors=[None, unit])
-            sch.unroll(registers_)
+        if (width // unit) & (width // unit - 1):  # e.g. 7 registers: LLVM splits a 56-lane op poorly
+            per_register, vec = sch.split(vec, factors=[None, unit])
+            sch.unroll(per_register)
         sch.vectorize(vec)
         for loop in inner:
             sch.unroll(loop)
@@ -623,18 +624,18 @@ TILES_PER_CORE = 8  # parallel iterations per core that grouping tiles must leav
 
 def product_tile(columns: int, rows: int | None, lanes: int, registers: int,
                  partner: int | None = None) -> tuple[int, int, int] | None:
-    """(columns, rows) of a register-blocked product tile ``acc[r, c] += a[r] * b[c]`` over ``columns``
-    (a row of whole registers, or of half ones where the columns are no multiple of the vector:
-    AVX-512's 56) and ``rows`` rows: the tile that does the most multiply-adds per load (``r*v /
-    (r + v)`` for r rows of v registers) among those whose registers fit: r*v accumulators, the v
-    loads of b that every row shares and a broadcast of a (LLVM keeps the shared loads in
-    registers; beyond the target's registers the tile spills to the stack every step: AVX2's 16
-    with AVX-512's 4 x 4 tiles). Ties go to more accumulators (more independent chains), then to
-    more rows (each row's b is loaded once per tile: conv2d dw at N8 C64 56x56 on AVX2, one
-    thread, 4 rows of 2 registers 30.6 ms, 2 rows of 4 45.0 ms). Returns (columns, rows, partners): where the best
-    row is one register and an output axis of extent ``partner`` indexes b but not a (conv2d dx's
-    output rows), a few of its indices (``partners``) join the tile's columns. None when the
-    columns are no whole number of (half) registers."""
+    """(columns, rows, partners) of a register-blocked product tile ``acc[r, c] += a[r] * b[c]``
+    over ``columns`` (a row of whole registers, or of half ones where the columns are no multiple
+    of the vector: AVX-512's 56) and ``rows`` rows: the tile that does the most multiply-adds per
+    load (``r*n / (r + n)`` for r rows of n registers) among those whose registers fit: r*n
+    accumulators, the n loads of b that every row shares and a broadcast of a (LLVM keeps the
+    shared loads in registers; beyond the target's registers the tile spills to the stack every
+    step: AVX2's 16 with AVX-512's 4 x 4 tiles). Ties go to more accumulators (more independent
+    chains), then to more rows (each row's b is loaded once per tile: conv2d dw at N8 C64 56x56
+    on AVX2, one thread, 4 rows of 2 registers 30.6 ms, 2 rows of 4 45.0 ms). Where the best row
+    is one register and an output axis of extent ``partner`` indexes b but not a (conv2d dx's
+    output rows), the row takes ``partners`` of its indices (else 1). None when the columns are
+    no whole number of (half) registers."""
     unit = lanes if columns % lanes == 0 else lanes // 2
     if unit < 1 or columns % unit:
         return None
