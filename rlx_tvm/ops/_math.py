@@ -49,12 +49,9 @@ def _scales_in_hardware() -> bool:
     ``vscalefps`` computes p * 2^n (denormal results included) in one instruction: LLVM lowers
     its ``llvm.ldexp`` intrinsic to it, also on vectors. Elsewhere ``llvm.ldexp`` is a scalar libm
     call, so other targets keep the bit-assembled powers of two."""
-    target = tvm.target.Target.current(allow_none=True)
-    if target is None or target.kind.name != "llvm":
-        return False
-    from tvm.target import codegen
+    from ..schedules.common import has_avx512  # (schedules import ops: not at module load)
 
-    return bool(codegen.target_has_features("avx512f", target))
+    return has_avx512(tvm.target.Target.current(allow_none=True))
 
 
 def _times_pow2_f32(p, n):

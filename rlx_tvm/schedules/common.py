@@ -84,8 +84,13 @@ def vector_bits(target) -> int:
     by it gave AVX2 vectors of two registers each, and register-blocked tiles of twice the
     registers there are.)"""
     if _is_x86(target):
-        return 512 if target_has_features("avx512f", target) else 256 if target_has_features("avx", target) else 128
+        return 512 if has_avx512(target) else 256 if target_has_features("avx", target) else 128
     return llvm_get_vector_width(target)
+
+
+def has_avx512(target) -> bool:
+    """An LLVM x86 CPU target with AVX-512F."""
+    return _is_x86(target) and bool(target_has_features("avx512f", target))
 
 
 def vector_lanes(target, bits: int = 32) -> int:
@@ -97,7 +102,7 @@ def vector_lanes(target, bits: int = 32) -> int:
 def vector_registers(target) -> int:
     """Vector registers of an LLVM CPU target: 16 on x86 without AVX-512 (ymm0-15), else 32
     (AVX-512's zmm0-31, AArch64's v0-31)."""
-    return 16 if _is_x86(target) and not target_has_features("avx512f", target) else 32
+    return 16 if _is_x86(target) and not has_avx512(target) else 32
 
 
 def expression_nodes(expr) -> int:

@@ -413,10 +413,12 @@ class ParallelFallback(CPUScheduleRule):
         ms). False (nothing changed) for symbolic or small extents, or ones that no whole number of
         vectors per part divides."""
         reduced = sch.get_loops(block)[len(lead):]
-        total = _static_product(sch, reduced)
+        total = static_int(_product([sch.get(loop).extent for loop in reduced]))
+        if total is None or total < MIN_FULL_REDUCTION:
+            return False
         parts = next((cores * k for k in (FULL_REDUCTION_PARTS, FULL_REDUCTION_PARTS // 2, 1)
-                      if total and total % (cores * k * lanes) == 0), None)
-        if not total or total < MIN_FULL_REDUCTION or parts is None:
+                      if total % (cores * k * lanes) == 0), None)
+        if parts is None:
             return False
         part, rest = sch.split(fuse_loops(sch, reduced), factors=[parts, None])
         try:
@@ -704,19 +706,29 @@ def _reads_only_own_row(stmt, expected: list, row_buffers: list, written: list) 
     return True
 
 
+def _depends_on(read, var) -> bool:
+    return any(uses(rg.min, var) for rg in read.region)
+
+
+def _reads_by_column(stmt, n_spatial: int) -> tuple[list, list]:
+    """A column reduction's reads (of at least one dim) along its columns (the last index runs
+    with the innermost output axis) and across them (no index does: the row side, broadcast)."""
+    column = stmt.iter_vars[n_spatial - 1].var
+    reads = [r for r in stmt.reads if r.region]
+    return [r for r in reads if uses(r.region[-1].min, column)], [r for r in reads if not _depends_on(r, column)]
+
+
 def _reused_row_axis(sch: s_tir.Schedule, block, n_spatial: int, tile: int) -> int | None:
     """For a column reduction: the innermost other output axis (static, a multiple of ``tile``)
     that some read along the columns does not depend on, so that a tile of rows can share its
     loads; None when there is none (e.g. a plain sum over leading axes)."""
     stmt = sch.get(block)
-    iters = [iv.var for iv in stmt.iter_vars]
-    column = iters[n_spatial - 1]
-    along_columns = [r for r in stmt.reads if r.region and uses(r.region[-1].min, column)]
+    along, _ = _reads_by_column(stmt, n_spatial)
     for axis in reversed(range(n_spatial - 1)):
         extent = static_int(stmt.iter_vars[axis].dom.extent)
         if extent is None or extent % tile or extent == tile:
             continue
-        if any(not any(uses(rg.min, iters[axis]) for rg in r.region) for r in along_columns):
+        if any(not _depends_on(r, stmt.iter_vars[axis].var) for r in along):
             return axis
     return None
 
@@ -727,17 +739,13 @@ def _column_partner_axis(sch: s_tir.Schedule, block, n_spatial: int, tiled: int)
     tile may take several of its indices with each broadcast (conv2d dx: dy_pad's rows, not w's);
     None when there is none."""
     stmt = sch.get(block)
-    iters = [iv.var for iv in stmt.iter_vars]
-    column, written = iters[n_spatial - 1], stmt.writes[0].source
-    reads = [r for r in stmt.reads if r.region and not r.source.same_as(written)]
-    along = [r for r in reads if uses(r.region[-1].min, column)]
-    broadcast = [r for r in reads if not any(uses(rg.min, column) for rg in r.region)]
+    # (The accumulator, read along the columns, depends on every output axis: it changes nothing.)
+    along, broadcast = _reads_by_column(stmt, n_spatial)
     for axis in reversed(range(n_spatial - 1)):
+        var = stmt.iter_vars[axis].var
         if axis == tiled or static_int(stmt.iter_vars[axis].dom.extent) is None:
             continue
-        var = iters[axis]
-        if broadcast and all(any(uses(rg.min, var) for rg in r.region) for r in along) \
-                and not any(uses(rg.min, var) for r in broadcast for rg in r.region):
+        if broadcast and all(_depends_on(r, var) for r in along) and not any(_depends_on(r, var) for r in broadcast):
             return axis
     return None
 
