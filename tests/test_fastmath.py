@@ -30,7 +30,10 @@ def _inputs() -> np.ndarray:
         [88.0, 88.72, 88.7228, 88.723, 89.0, -87.3, -87.4, -103.0, -104.0, -105.0, 0.5, -0.5, 0.125, -0.125],
         [0.0, -0.0, np.inf, -np.inf, np.nan],
     ]).astype(np.float32)
-    return xs
+    # NaNs with payloads (quiet, signaling, negative): the exponent-bit arithmetic must not make
+    # a number of one
+    payloads = np.array([0x7FC000FF, 0x7F800001, 0xFFC00001, 0x7FC0007F, 0xFFFFFFFF], np.uint32)
+    return np.concatenate([xs, payloads.view(np.float32)])
 
 
 # The two ways of scaling by 2^n: generic x86-64 (no AVX-512) and the machine the tests run on
