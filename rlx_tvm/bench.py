@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .threads import cpu_threads
+
 VARIANTS = ("tuned", "default", "tvm", "torch")
 
 # Pause before each timing. PyTorch's OpenMP workers and TVM's thread pool keep spinning for a while
@@ -139,7 +141,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
               tuning_log: str | None = "auto", use_torch: bool = True, scale: str = "full",
               settle_ms: float = SETTLE_MS, progress=print) -> dict:
     """Time the suite; returns the JSON-able result (also what :func:`format_table` prints)."""
-    threads = threads or os.cpu_count() or 1
+    threads = threads or cpu_threads()
     os.environ["TVM_NUM_THREADS"] = str(threads)  # before TVM's thread pool starts
     import tvm
 

@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--settle-ms", type=float, default=100.0,
                     help="pause before each timing, so that the thread pool of the variant timed before "
                          "(PyTorch's OpenMP, TVM's) has stopped spinning (default 100)")
-    be.add_argument("--threads", type=int, default=None, help="threads for TVM and torch (default: all CPUs)")
+    be.add_argument("--threads", type=int, default=None,
+                    help="threads for TVM and torch (default: every CPU this process may run on)")
     be.add_argument("--tuning-log", help="tuning log directory (default: the committed log of this CPU)")
     be.add_argument("--no-torch", action="store_true", help="leave PyTorch out even when installed")
     be.add_argument("--scale", default="full", choices=["full", "small"], help="suite shapes (small: a quick check)")
@@ -365,8 +366,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # TVM's CPU thread pool halves the CPU count on x86 (assuming hyper-threads): use them all.
-    os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -4,8 +4,11 @@ baseline formulations, tuning-log lookup by target, and smoke tests of ``rlx-tvm
 
 import dataclasses
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -301,6 +304,28 @@ def test_target_key_names_cpu_and_cores():
     assert build.target_key(cpu_target(num_cores=2)) == f"llvm-{cpu_target().attrs['mcpu']}-2c"
     assert build.target_key("llvm") == "llvm"
     assert build.target_key(tvm.target.Target({"kind": "cuda", "arch": "sm_90"})) == "cuda-sm_90"
+
+
+def test_import_runs_tvm_kernels_on_every_cpu_of_the_process():
+    """TVM's pool alone runs half the hardware threads on x86 (1 on a 2-vCPU machine); after
+    ``import rlx_tvm`` it runs on every CPU the process may use, unless TVM_NUM_THREADS or
+    OMP_NUM_THREADS is set (then theirs)."""
+    # Every CPU first (this process's pool, once started, pinned its main thread to one CPU, and
+    # the child inherits that), counted before the child's pool pins it in turn.
+    probe = ("import os, tvm_ffi; os.sched_setaffinity(0, range(os.cpu_count())); "
+             "cpus = len(os.sched_getaffinity(0)); import rlx_tvm; "
+             "print(tvm_ffi.get_global_func('runtime.NumThreads')(), cpus, os.environ.get('TVM_NUM_THREADS', '-'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+
+    def pool_and_cpus(**extra):
+        out = subprocess.run([sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True,
+                             check=True).stdout.split()
+        return int(out[0]), int(out[1]), out[2]
+
+    pool, cpus, variable = pool_and_cpus()
+    assert pool == cpus and variable == str(cpus), (pool, cpus, variable)
+    assert pool_and_cpus(TVM_NUM_THREADS="1")[0] == 1
+    assert pool_and_cpus(OMP_NUM_THREADS="1")[0] == 1
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ What stock MetaSchedule trips over here (see TVM_NOTES), and what this module do
 * XGBoost scores are random until ``num_warmup_samples`` measurements exist (default 100): lowered
   to 16 so that small budgets search with the model;
 * TVM's CPU thread pool halves ``hardware_concurrency`` on x86 (it assumes hyper-threads): on a
-  2-vCPU machine candidates would be measured on one thread. ``TVM_NUM_THREADS`` is set to the
-  target's ``num-cores`` for the runner's workers unless the caller set it;
+  2-vCPU machine candidates would be measured on one thread. ``TVM_NUM_THREADS``, which the
+  runner's workers inherit, is set by ``import rlx_tvm`` (:mod:`rlx_tvm.threads`), else here to
+  the target's ``num-cores``;
 * GPU targets (CUDA, Metal, Vulkan) need ``max_threads_per_block`` and shared-memory limits that
   plain targets lack: :func:`tuning_target` fills them in. Without a device here candidates are
   generated and built but not measured; :func:`rpc_runner` measures on remote devices.
