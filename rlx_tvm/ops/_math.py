@@ -129,8 +129,9 @@ def _exp_nonpositive_in_range_f32(xc, nan_possible: bool = False):
     floor, float-to-int conversion, clamp and two multiplications by assembled powers of two
     replaced by the rounding shifter, one integer add of n to the exponent bits of the (scaled)
     polynomial and one multiplication: AVX2 has no ``vscalefps``, and these are the vector pipes
-    the exponential is bound by (softmax-CE backward at (2048, 8192) on Zen 3, two threads, side by
-    side: 7.15 -> 5.65 ms; the results the same bit for bit). Denormal results are rounded once,
+    the exponential is bound by (Zen 3, two threads, in one process, interleaved, outputs the same
+    bit for bit: softmax-CE backward at (2048, 8192) 6.94 -> 5.49 ms, GELU backward at 8M
+    elements 5.57 -> 4.77, SiLU 3.79 -> 3.41). Denormal results are rounded once,
     as by the two multiplications. ``nan_possible``: a NaN xc must give NaN, which the integer add
     to a NaN's bits need not keep: ``r - r`` (0, or NaN) is added in the final multiply-add."""
     def opaque(v):  # the same value, where TVM's simplifier cannot fold (v + c) - c or v - v
