@@ -19,8 +19,8 @@ __all__ = ["cpu_threads", "default_tvm_threads"]
 @functools.cache
 def cpu_threads() -> int:
     """The CPUs this process may run on (its affinity mask: taskset, cgroup cpusets), else the CPU
-    count. Taken once, at ``import rlx_tvm``: TVM's thread pool pins the thread that starts it to
-    one CPU, after which the mask says 1."""
+    count. Taken once, at ``import rlx_tvm``: a TVM thread pool of one thread pins the thread that
+    starts it to one CPU (seen with TVM's default on 2 vCPUs), after which the mask says 1."""
     try:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):  # no affinity masks on this OS

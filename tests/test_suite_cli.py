@@ -310,8 +310,8 @@ def test_import_runs_tvm_kernels_on_every_cpu_of_the_process():
     """TVM's pool alone runs half the hardware threads on x86 (1 on a 2-vCPU machine); after
     ``import rlx_tvm`` it runs on every CPU the process may use, unless TVM_NUM_THREADS or
     OMP_NUM_THREADS is set (then theirs)."""
-    # Every CPU first (this process's pool, once started, pinned its main thread to one CPU, and
-    # the child inherits that), counted before the child's pool pins it in turn.
+    # Every CPU first (a TVM pool of one thread pins the thread that started it to one CPU, and a
+    # child inherits the mask), counted before the child's own pool starts.
     probe = ("import os, tvm_ffi; os.sched_setaffinity(0, range(os.cpu_count())); "
              "cpus = len(os.sched_getaffinity(0)); import rlx_tvm; "
              "print(tvm_ffi.get_global_func('runtime.NumThreads')(), cpus, os.environ.get('TVM_NUM_THREADS', '-'))")
