@@ -102,16 +102,23 @@ _EXP_POLY = (1.0000000005545797, 1.0000000363413992, 0.49999992075012584, 0.1666
              0.041668226310695604, 0.008374822840233775, 0.0013836823385086283)
 
 
+def _reduced_exp(xc, n, scale: float = 1.0):
+    """(r, scale * e^r) for r = xc - n ln2 (|r| <= ln2 / 2 for n the integer nearest xc / ln2):
+    the range reduction and ``_EXP_POLY`` that both forms of the exponential share."""
+    r = xc - n * _f32(_LN2_HI) - n * _f32(_LN2_LO)
+    p = _f32(_EXP_POLY[-1] * scale)
+    for c in reversed(_EXP_POLY[:-1]):
+        p = p * r + _f32(c * scale)
+    return r, p
+
+
 def _exp_in_range_f32(xc, nan_possible: bool = False):
     """exp(xc) for xc in [_EXP_LO, _EXP_HI]: xc = n ln2 + r with |r| <= ln2 / 2, e^r by
     ``_EXP_POLY``, 2^n assembled in the exponent bits. ``nan_possible``: xc may be NaN, and the
     result is then NaN (p is; n is clamped before its conversion to int32, which is undefined for
     NaN: a NaN fails the comparison in max)."""
     n = tirx.floor(xc * _f32(_LOG2E) + _f32(0.5))
-    r = xc - n * _f32(_LN2_HI) - n * _f32(_LN2_LO)
-    p = _f32(_EXP_POLY[-1])
-    for c in reversed(_EXP_POLY[:-1]):
-        p = p * r + _f32(c)
+    _, p = _reduced_exp(xc, n)
     return _times_pow2_f32(p, (tirx.max(n, _f32(-200.0)) if nan_possible else n).astype("int32"))
 
 
@@ -139,11 +146,8 @@ def _exp_nonpositive_in_range_f32(xc, nan_possible: bool = False):
 
     shifted = xc * _f32(_LOG2E) + _f32(_ROUNDING_SHIFTER)
     n = opaque(shifted) - _f32(_ROUNDING_SHIFTER)
-    r = xc - n * _f32(_LN2_HI) - n * _f32(_LN2_LO)
     scale = 2.0 ** _EXP_SCALE_BITS
-    p = _f32(_EXP_POLY[-1] * scale)
-    for c in reversed(_EXP_POLY[:-1]):
-        p = p * r + _f32(c * scale)
+    r, p = _reduced_exp(xc, n, scale)
     n_in_exponent = tirx.shift_left(tirx.reinterpret("int32", shifted), tirx.const(23, "int32"))
     y = tirx.reinterpret("float32", tirx.reinterpret("int32", p) + n_in_exponent) * _f32(1.0 / scale)
     return y + (r - opaque(r)) if nan_possible else y
