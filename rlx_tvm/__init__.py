@@ -7,16 +7,15 @@ every CPU of the process (:mod:`rlx_tvm.threads`) unless ``TVM_NUM_THREADS`` or 
 says otherwise.
 """
 
+from . import ops
+from . import gradients
+from . import passes
+from . import autodiff
+from .build import compile  # noqa: A004 - rlx_tvm.compile mirrors tvm.compile
+from .ops import OpError
 from .threads import default_tvm_threads
 
-default_tvm_threads()  # before any kernel runs: TVM's pool reads it when it starts
-
-from . import ops  # noqa: E402
-from . import gradients  # noqa: E402
-from . import passes  # noqa: E402
-from . import autodiff  # noqa: E402
-from .build import compile  # noqa: A004,E402 - rlx_tvm.compile mirrors tvm.compile
-from .ops import OpError  # noqa: E402
+default_tvm_threads()  # before any kernel runs (importing runs none): TVM's pool reads it when it starts
 
 __version__ = "0.1.0"
 
