@@ -64,7 +64,7 @@ class KernelResult:
         return None if self.flops or rate is None or not self.copy_gbps else rate[0] / self.copy_gbps
 
 
-def _calibrated(run, min_ms: float):
+def calibrated_timer(run, min_ms: float):
     """A timer of ``run``: calls per timing chosen once so that one timing lasts >= ``min_ms``,
     from the fastest of a few calls (a single call could be a slow outlier: then a timing made
     of too few calls, each paying the wake-up after the pause before it; the kernel calibrated
@@ -86,7 +86,7 @@ def _calibrated(run, min_ms: float):
     return timer
 
 
-def _tvm_runner(ex, args):
+def vm_runner(ex, args):
     import tvm
     from tvm import relax
 
@@ -164,7 +164,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
     if log is None:
         progress(f"no tuning log for {build.target_key(target)}: the 'tuned' column is left out")
 
-    copy_timer = _calibrated(_copy_runner(target), min_ms)
+    copy_timer = calibrated_timer(_copy_runner(target), min_ms)
     results = []
     selected = suite_kernels(kernels)
     for i, kernel in enumerate(selected):
@@ -189,7 +189,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
         exes["tvm"] = tvm.compile(base, target=target)
         runners, outs = {}, {}
         for name, ex in exes.items():
-            runners[name] = _tvm_runner(ex, args)
+            runners[name] = vm_runner(ex, args)
             outs[name] = [o.numpy() for o in runners[name]()]
         ref = outs["default"]
         res.bytes = kernel.bytes_moved(inputs, ref)
@@ -197,7 +197,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
             float(np.abs(a - b).max() / max(1e-30, np.abs(b).max())) for o in outs.values() for a, b in zip(o, ref))
         if torch is not None:
             runners["torch"] = _torch_runner(kernel, inputs)
-        timers = {name: _calibrated(run, min_ms) for name, run in runners.items()}
+        timers = {name: calibrated_timer(run, min_ms) for name, run in runners.items()}
         timers["copy"] = copy_timer
         samples: dict[str, list[float]] = {name: [] for name in timers}
         names = list(timers)

@@ -59,7 +59,7 @@ def _kernel_names(arg: str | None) -> list[str] | None:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     from .build import TUNING_LOGS, target_key
-    from .schedules.suite import suite_ir_module, suite_kernels
+    from .schedules.suite import suite_ir_module, suite_kernels, suite_module
     from .schedules.tune import MIN_SPEEDUP, SKIPPED, export_log, rpc_runner, short_task_name, tune
 
     target = _target(args.target)
@@ -88,22 +88,30 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if skipped:
         print(f"{skipped} task(s) skipped: the time budget is spent; run the command again to resume", flush=True)
     print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
+    # Every suite kernel at both scales: records of no current kernel are stale, and each module
+    # must run faster with its records than without them.
     exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all,
-                          kernels=[suite_ir_module(scale=scale) for scale in ("full", "small")])
+                          kernels={f"{k.name} ({scale})": suite_module(k, scale)
+                                   for scale in ("full", "small") for k in suite_kernels()})
     faster = f"{(MIN_SPEEDUP - 1) * 100:g}% faster"  # what export_log asks of a record to keep it
     task_head = ["suite kernel", "task", "records", "best us", "status"]
     export_head = ["kernel stages", "tuned us", "default us", "in the log"]
-    export_rows = [(r.kernel, _us(r.tuned_us), _us(r.default_us),
-                    "yes" if r.kept else "no: stale (kernel changed)" if r.stale else f"no: not {faster} than the default")
-                   for r in exported]
+    export_rows = [(r.kernel, _us(r.tuned_us), _us(r.default_us), _export_verdict(r, faster)) for r in exported.rows]
+    module_head = ["suite kernel", "records", "with them ms", "without ms", "records kept"]
+    module_rows = [(m.name, m.records, f"{m.tuned_ms:.2f}", f"{m.default_ms:.2f}", "yes" if m.kept else "no: slower")
+                   for m in exported.modules]
     print()
     _table(task_head, rows)
     print()
     _table(export_head, export_rows)
+    if module_rows:
+        print()
+        _table(module_head, module_rows)
     record = os.path.join(log_dir, "TUNING.md")
     rows = _with_earlier_rows(record, rows, [k.name for k in kernels])
-    _write_tuning_record(record, key, target, args, faster, task_head, rows, export_head, export_rows)
-    print(f"\n{sum(r.kept for r in exported)} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
+    _write_tuning_record(record, key, target, args, faster, task_head, rows, export_head, export_rows,
+                         module_head, module_rows)
+    print(f"\n{exported.kept} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1
 
 
@@ -167,6 +175,16 @@ def _us(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
+def _export_verdict(row, faster: str) -> str:
+    if row.kept:
+        return "yes"
+    if row.stale:
+        return "no: stale (kernel changed)"
+    if row.slower_module:
+        return f"no: {row.slower_module} ran slower with its records"
+    return f"no: not {faster} than the default"
+
+
 EARLIER = "earlier run: "  # status prefix of a task row carried over from an earlier TUNING.md
 
 
@@ -189,10 +207,11 @@ def _with_earlier_rows(path: str, rows: list, tuned_now: list[str]) -> list:
     return sorted([*rows, *earlier], key=lambda r: order.get(r[0], len(order)))  # stable within a kernel
 
 
-def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, export_head, export_rows) -> None:
+def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, export_head, export_rows,
+                         module_head, module_rows) -> None:
     """The budget and outcome of the run that wrote a tuning log, next to it: per task the records
-    in the work database (every trial of every run that tuned it), and per kernel whether the log
-    keeps its best record."""
+    in the work database (every trial of every run that tuned it), per kernel whether the log
+    keeps its best record, and per suite kernel the build with and without its records."""
     import datetime
 
     def md(head, rows):
@@ -215,6 +234,10 @@ def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, 
              "Each kernel's best record, kept without comparing it with the default schedule (--keep-all):"
              if args.keep_all else "Each kernel's best record, re-measured against its default schedule at export "
              f"(kept only when at least {faster}):", "", *md(export_head, export_rows), ""]
+    if module_rows:
+        lines += ["Each suite kernel that kept records, built with them and without them and timed as a whole "
+                  "(median of 7 interleaved rounds); where it was not faster with them, they were dropped:", "",
+                  *md(module_head, module_rows), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 

@@ -376,11 +376,11 @@ def test_cli_tune_stops_at_its_time_budget(tmp_path, capsys):
 
 def test_export_keeps_only_records_faster_than_the_default_schedule(cli_tuned, tmp_path):
     _, work, _ = cli_tuned
-    rows = export_log(str(work), str(tmp_path), cpu_target(), verbose=False)
+    rows = export_log(str(work), str(tmp_path), cpu_target(), verbose=False).rows
     assert len(rows) == 2 and all(r.tuned_us > 0 and r.default_us > 0 for r in rows)
     assert all(r.kept == (r.tuned_us * 1.05 <= r.default_us) for r in rows)  # tuned.MIN_SPEEDUP
     assert len(build.load_tuning_log(str(tmp_path)).get_all_tuning_records()) == sum(r.kept for r in rows)
-    rows = export_log(str(work), str(tmp_path), cpu_target(), compare_default=False, verbose=False)  # replaces
+    rows = export_log(str(work), str(tmp_path), cpu_target(), compare_default=False, verbose=False).rows  # replaces
     assert [r.kept for r in rows] == [True, True] and all(r.tuned_us is None for r in rows)
     assert len(build.load_tuning_log(str(tmp_path)).get_all_tuning_records()) == 2
 
@@ -388,13 +388,55 @@ def test_export_keeps_only_records_faster_than_the_default_schedule(cli_tuned, t
 def test_export_drops_records_of_kernels_that_changed(cli_tuned, tmp_path):
     _, work, _ = cli_tuned
     same = export_log(str(work), str(tmp_path / "same"), cpu_target(), compare_default=False, verbose=False,
-                      kernels=suite_module(suite_kernel("rms_norm_backward"), "small"))
+                      kernels=suite_module(suite_kernel("rms_norm_backward"), "small")).rows
     assert [(r.kept, r.stale) for r in same] == [(True, False)] * 2
     # The same kernels at other shapes stand for kernels whose TensorIR changed since tuning.
     other = export_log(str(work), str(tmp_path / "other"), cpu_target(), compare_default=False, verbose=False,
-                       kernels=suite_module(suite_kernel("rms_norm_backward"), "full"))
+                       kernels=suite_module(suite_kernel("rms_norm_backward"), "full")).rows
     assert [(r.kept, r.stale) for r in other] == [(False, True)] * 2
     assert build.load_tuning_log(str(tmp_path / "other")).get_all_tuning_records() == []
+
+
+def _conv_dx_module(n=2, c=32, hw=28):
+    bb = relax.BlockBuilder()
+    dy = relax.Var("dy", relax.TensorType((n, c, hw, hw), "float32"))
+    w = relax.Var("w", relax.TensorType((c, c, 3, 3), "float32"))
+    with bb.function("main", [dy, w]):
+        with bb.dataflow():
+            gv = bb.emit_output(rlx_tvm.ops.conv2d_backward_input(dy, w, input_size=(hw, hw), padding=1))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_export_drops_records_that_make_their_module_slower(tmp_path):
+    """A record that passes the per-kernel check (here: ``min_speedup=0`` lets any record pass)
+    still leaves the log when the module it belongs to, built with it, is slower than without:
+    a record that leaves the conv as serial loops (29 MFLOP) against the default schedule."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from rlx_tvm.schedules.tune import _kernel_workloads
+
+    mod, target = _conv_dx_module(), cpu_target()
+    (workload,) = _kernel_workloads([mod], target)
+    naive = tvm.s_tir.Schedule(workload)
+    naive.get_sblock("conv2d_dx_acc")  # a trace of one lookup: the database ignores empty traces
+    (tmp_path / "work").mkdir()
+    work = ms.database.JSONDatabase(work_dir=str(tmp_path / "work"))
+    work.commit_tuning_record(ms.database.TuningRecord(
+        naive.trace, work.commit_workload(workload), [1e-6], target,
+        ms.arg_info.ArgInfo.from_prim_func(workload["main"])))
+    export = export_log(str(tmp_path / "work"), str(tmp_path / "log"), target, verbose=False,
+                        kernels={"conv dx": mod}, min_speedup=0.0)
+    (row,), (check,) = export.rows, export.modules
+    assert row.tuned_us is not None and row.tuned_us > row.default_us  # slower alone too, but let through
+    assert check.name == "conv dx" and check.records == 1
+    assert check.tuned_ms > check.default_ms and not check.kept, check
+    assert not row.kept and row.slower_module == "conv dx"
+    assert build.load_tuning_log(str(tmp_path / "log")).get_all_tuning_records() == []
+    # Kept records are checked the same way, and stay when the module is not slower with them.
+    export = export_log(str(tmp_path / "work"), str(tmp_path / "all"), target, compare_default=False,
+                        verbose=False, kernels={"conv dx": mod})
+    assert export.modules == [] and export.kept == 1  # without compare_default nothing is timed
 
 
 def test_compiled_log_is_applied_and_correct(cli_tuned, tmp_path, capsys):

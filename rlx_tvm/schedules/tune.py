@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["ExportRow", "TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune",
+__all__ = ["Export", "ExportRow", "ModuleCheck", "TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune",
            "tuning_target"]
 
 
@@ -279,6 +280,19 @@ class ExportRow:
     default_us: float | None
     kept: bool
     stale: bool = False  # no current kernel has this workload any more
+    slower_module: str | None = None  # dropped: the module it belongs to ran slower with its records
+
+
+@dataclass
+class ModuleCheck:
+    """A module of ``export_log``'s ``kernels`` built with the log's records for its kernels and
+    without (default schedules), timed side by side at export."""
+
+    name: str
+    records: int  # records of the log that apply to it
+    tuned_ms: float
+    default_ms: float
+    kept: bool  # its records stay in the log (the module was not slower with them)
 
 
 def _kernel_label(mod: tvm.IRModule) -> str:
@@ -333,61 +347,145 @@ def _drop_unnamed_log_handlers() -> None:
 MIN_SPEEDUP = 1.05
 
 
+@dataclass
+class Export:
+    """What :func:`export_log` wrote: a row per best record, and the module-level checks."""
+
+    rows: list[ExportRow]
+    modules: list[ModuleCheck]
+
+    @property
+    def kept(self) -> int:
+        return sum(r.kept for r in self.rows)
+
+
 def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = None,
                compare_default: bool = True, verbose: bool = True,
-               kernels: tvm.IRModule | list[tvm.IRModule] | None = None,
-               min_speedup: float = MIN_SPEEDUP) -> list[ExportRow]:
+               kernels: tvm.IRModule | list[tvm.IRModule] | dict[str, tvm.IRModule] | None = None,
+               min_speedup: float = MIN_SPEEDUP) -> Export:
     """Write the best record of every kernel in ``work_dir``'s database to ``log_dir`` (MetaSchedule's
     own pruning, ``Database.dump_pruned``): the tuning log that gets committed, while the full
-    search history stays in ``work_dir``. With ``compare_default`` on a CPU target, each best record
-    is re-measured against the kernel's default schedule (same inputs, interleaved) and kept only if
-    it is at least ``min_speedup`` times faster, so that the log does not make a kernel slower than
-    no log, nor hold records that only tie with it. With ``kernels`` (Relax
-    modules, e.g. the suite's at each scale), records of workloads that are not among its kernels are left
-    out: they are stale, tuned before the kernel's TensorIR changed, and can never match again."""
-    import tempfile
+    search history stays in ``work_dir``.
 
+    With ``kernels`` (Relax modules, e.g. one per suite kernel and scale; a dict names them),
+    records of workloads that are not among their kernels are left out: they are stale, tuned
+    before the kernel's TensorIR changed, and can never match again.
+
+    With ``compare_default`` on a CPU target, two checks keep the log from making anything slower
+    than no log: each best record is re-measured against its kernel's default schedule (same
+    inputs, interleaved) and kept only if it is at least ``min_speedup`` times faster (records
+    that only tie add nothing); then each module of ``kernels`` that the kept records apply to is
+    built with them and without them and timed as a whole, and where it is not faster with them,
+    they are all dropped. The second check is there because kernels timed alone are not the module:
+    blocked attention's 18 slice and concatenation kernels each won alone, yet its build with
+    them read slower than without in three benchmark runs."""
     from ..build import load_tuning_log
-    from .cpu import default_cpu_rules
 
     src = load_tuning_log(work_dir)
     with tempfile.TemporaryDirectory() as tmp:
         pruned = ms.database.JSONDatabase(work_dir=tmp)
         src.dump_pruned(pruned)
         records = pruned.get_all_tuning_records()
+    units = _named_modules(kernels)
+    current = None if units is None else _kernel_workloads(list(units.values()), target)
+    rows, kept = [], []  # kept: (record, row) pairs that passed the per-kernel check
+    for i, rec in enumerate(records):
+        row = _check_record(rec, target, current, compare_default, min_speedup)
+        rows.append(row)
+        if row.kept:
+            kept.append((rec, row))
+        if verbose:
+            print(f"[{i + 1}/{len(records)}] {_export_line(row, min_speedup)}", flush=True)
+    _write_log(log_dir, [rec for rec, _ in kept])
+    modules = []
+    rec_target = target or (records[0].target if records else None)
+    if compare_default and units and kept and rec_target.kind.name == "llvm":
+        for name, mod in units.items():
+            workloads = _kernel_workloads([mod], rec_target)
+            mine = [(rec, row) for rec, row in kept
+                    if row.kept and any(tvm_ffi.structural_equal(rec.workload.mod, w) for w in workloads)]
+            if not mine:
+                continue
+            tuned_ms, default_ms = _time_module_ms(mod, rec_target, log_dir)
+            check = ModuleCheck(name, len(mine), tuned_ms, default_ms, kept=tuned_ms <= default_ms)
+            modules.append(check)
+            if not check.kept:
+                for _, row in mine:
+                    row.kept, row.slower_module = False, name
+                _write_log(log_dir, [rec for rec, row in kept if row.kept])
+            if verbose:
+                print(f"module {name} with its {len(mine)} record(s): {tuned_ms:.2f} ms, without: {default_ms:.2f} ms"
+                      f" -> {'kept' if check.kept else 'records dropped (slower with them)'}", flush=True)
+    return Export(rows, modules)
+
+
+def _named_modules(kernels) -> dict[str, tvm.IRModule] | None:
+    if kernels is None or isinstance(kernels, dict):
+        return kernels
+    mods = [kernels] if isinstance(kernels, tvm.IRModule) else list(kernels)
+    return {f"module {i}": m for i, m in enumerate(mods)}
+
+
+def _check_record(rec, target, current, compare_default: bool, min_speedup: float) -> ExportRow:
+    """The per-kernel check of :func:`export_log`: stale, or re-measured against the default schedule."""
+    from .cpu import default_cpu_rules
+
+    mod, rec_target = rec.workload.mod, target or rec.target
+    if current is not None and not any(tvm_ffi.structural_equal(mod, k) for k in current):
+        return ExportRow(_kernel_label(mod), None, None, False, stale=True)
+    tuned_us = default_us = None
+    measurable = rec_target.kind.name == "llvm" and rec.run_secs and float(rec.run_secs[0]) < 1e9
+    if compare_default and measurable:
+        sch = tvm.s_tir.Schedule(mod)
+        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        with rec_target:  # on a copy: ApplyDefaultSchedule updates the module it is given in place
+            default = tvm.s_tir.dlight.ApplyDefaultSchedule(*default_cpu_rules())(tvm.IRModule({"main": mod["main"]}))
+        tuned_us, default_us = _time_us([sch.mod, default], rec_target)
+    return ExportRow(_kernel_label(mod), tuned_us, default_us, tuned_us is None or tuned_us * min_speedup <= default_us)
+
+
+def _export_line(row: ExportRow, min_speedup: float) -> str:
+    if row.stale:
+        return f"{row.kernel}: dropped (stale: no current kernel)"
+    verdict = "kept" if row.kept else f"dropped (not {min_speedup:g}x faster than the default schedule)"
+    return f"{row.kernel}: tuned {_fmt(row.tuned_us)}, default {_fmt(row.default_us)} -> {verdict}"
+
+
+def _write_log(log_dir: str, records) -> None:
+    """``records`` as the JSON database in ``log_dir``, replacing what was there."""
     os.makedirs(log_dir, exist_ok=True)
-    for f in ("database_workload.json", "database_tuning_record.json"):  # replace, not append
+    for f in ("database_workload.json", "database_tuning_record.json"):
         if os.path.exists(os.path.join(log_dir, f)):
             os.remove(os.path.join(log_dir, f))
     dst = ms.database.JSONDatabase(work_dir=log_dir)
-    current = None if kernels is None else _kernel_workloads(kernels, target)
-    rows = []
-    for i, rec in enumerate(records):
-        mod, rec_target = rec.workload.mod, target or rec.target
-        if current is not None and not any(tvm_ffi.structural_equal(mod, k) for k in current):
-            rows.append(ExportRow(_kernel_label(mod), None, None, False, stale=True))
-            if verbose:
-                print(f"[{i + 1}/{len(records)}] {rows[-1].kernel}: dropped (stale: no current kernel)", flush=True)
-            continue
-        tuned_us = default_us = None
-        measurable = rec_target.kind.name == "llvm" and rec.run_secs and float(rec.run_secs[0]) < 1e9
-        if compare_default and measurable:
-            sch = tvm.s_tir.Schedule(mod)
-            rec.trace.apply_to_schedule(sch, remove_postproc=False)
-            with rec_target:  # on a copy: ApplyDefaultSchedule updates the module it is given in place
-                default = tvm.s_tir.dlight.ApplyDefaultSchedule(*default_cpu_rules())(tvm.IRModule({"main": mod["main"]}))
-            tuned_us, default_us = _time_us([sch.mod, default], rec_target)
-        kept = tuned_us is None or tuned_us * min_speedup <= default_us
-        if kept:
-            dst.commit_tuning_record(ms.database.TuningRecord(
-                rec.trace, dst.commit_workload(mod), rec.run_secs, rec.target, rec.args_info))
-        rows.append(ExportRow(_kernel_label(mod), tuned_us, default_us, kept))
-        if verbose:
-            r = rows[-1]
-            print(f"[{i + 1}/{len(records)}] {r.kernel}: tuned {_fmt(r.tuned_us)}, default {_fmt(r.default_us)}"
-                  f" -> {'kept' if kept else f'dropped (not {min_speedup:g}x faster than the default schedule)'}",
-                  flush=True)
-    return rows
+    for rec in records:
+        dst.commit_tuning_record(ms.database.TuningRecord(
+            rec.trace, dst.commit_workload(rec.workload.mod), rec.run_secs, rec.target, rec.args_info))
+
+
+def _time_module_ms(mod: tvm.IRModule, target: tvm.target.Target, log_dir: str, rounds: int = 7,
+                    min_ms: float = 50.0) -> tuple[float, float]:
+    """Median milliseconds of ``mod``'s ``main`` built with the tuning log in ``log_dir`` and
+    without it, on the same random inputs, interleaved in alternating order."""
+    import numpy as np
+
+    from ..bench import SETTLE_MS, calibrated_timer, vm_runner
+    from ..build import compile as rlx_compile
+
+    rng = np.random.default_rng(0)
+    args = []
+    for param in mod["main"].params:
+        shape, dtype = [int(d) for d in param.ty.shape.values], str(param.ty.dtype)
+        data = rng.standard_normal(shape).astype(dtype) if "float" in dtype else np.zeros(shape, dtype)
+        args.append(tvm.runtime.tensor(data))
+    timers = [calibrated_timer(vm_runner(rlx_compile(mod, target, tuning_log=log, verbose=False), args), min_ms)
+              for log in (log_dir, None)]
+    samples = [[], []]
+    for r in range(rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            time.sleep(SETTLE_MS / 1e3)
+            samples[i].append(timers[i]())
+    return float(np.median(samples[0])), float(np.median(samples[1]))
 
 
 def _kernel_workloads(kernels, target) -> list[tvm.IRModule]:
