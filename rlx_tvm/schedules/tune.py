@@ -37,8 +37,8 @@ import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["Export", "ExportRow", "ModuleCheck", "TaskResult", "build_candidate", "cpu_target", "export_log", "rpc_runner", "tune",
-           "tuning_target"]
+__all__ = ["Export", "ExportRow", "ModuleCheck", "TaskResult", "build_candidate", "cpu_target", "export_log",
+           "rpc_runner", "tune", "tuning_target"]
 
 
 def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
@@ -378,7 +378,8 @@ def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = N
     built with them and without them and timed as a whole, and where it is not faster with them,
     they are all dropped. The second check is there because kernels timed alone are not the module:
     blocked attention's 18 slice and concatenation kernels each won alone, yet its build with
-    them read slower than without in three benchmark runs."""
+    them read 5-20% slower than without in three benchmark runs (if only by noise, the records
+    were not worth keeping: together they save microseconds of a 50 ms kernel)."""
     from ..build import load_tuning_log
 
     src = load_tuning_log(work_dir)
