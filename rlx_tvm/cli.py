@@ -58,6 +58,8 @@ def _kernel_names(arg: str | None) -> list[str] | None:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    from tvm.s_tir import meta_schedule as ms
+
     from .build import TUNING_LOGS, target_key
     from .schedules.suite import suite_ir_module, suite_kernels, suite_module
     from .schedules.tune import MIN_SPEEDUP, SKIPPED, export_log, rpc_runner, short_task_name, tune
@@ -77,12 +79,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
           f"({min(args.trials, args.copy_trials)} for data movement), records in {work_dir}", flush=True)
     rows = []
     deadline = None if args.time_budget is None else time.time() + args.time_budget
+    os.makedirs(work_dir, exist_ok=True)
+    print(f"reading the work database {work_dir}", flush=True)
+    db = ms.database.JSONDatabase(work_dir=work_dir)  # once: thousands of records take ~20 s to read
     for i, kernel in enumerate(kernels):
         print(f"== {kernel.name} ({i + 1}/{len(kernels)})", flush=True)
         mod = suite_ir_module([kernel], args.scale)
         budget = None if deadline is None else max(0.0, deadline - time.time())
         for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed,
-                      runner=runner, time_budget=budget, copy_trials=args.copy_trials):
+                      runner=runner, time_budget=budget, copy_trials=args.copy_trials, database=db):
             rows.append((kernel.name, short_task_name(r.name), r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
     skipped = sum(r[-1] == SKIPPED for r in rows)
     if skipped:
@@ -92,7 +97,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     # must run faster with its records than without them.
     exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all,
                           kernels={f"{k.name} ({scale})": suite_module(k, scale)
-                                   for scale in ("full", "small") for k in suite_kernels()})
+                                   for scale in ("full", "small") for k in suite_kernels()}, database=db)
     faster = f"{(MIN_SPEEDUP - 1) * 100:g}% faster"  # what export_log asks of a record to keep it
     task_head = ["suite kernel", "task", "records", "best us", "status"]
     export_head = ["kernel stages", "tuned us", "default us", "in the log"]

@@ -160,6 +160,7 @@ def tune(
     time_budget: float | None = None,
     copy_trials: int | None = 32,
     run_timeout: float = 10.0,
+    database: ms.database.Database | None = None,
 ) -> list[TaskResult]:
     """Tune every kernel of ``mod`` with ``trials`` measured candidates each, recording into
     ``work_dir``'s JSON database. ``mod`` is a Relax module (rlx ops allowed), or ``"suite"`` or a
@@ -173,7 +174,9 @@ def tune(
     since their schedule space is a loop order and a vector width. A local candidate still
     running after ``run_timeout`` seconds is recorded as failed (MetaSchedule's default, 30 s,
     let a third of the softmax-CE candidates cost 30 s each, where the default schedule takes 6
-    ms). Prints one line per task."""
+    ms). ``database``: the work database already open (reading a JSON database of a few thousand
+    records takes about 20 s here; a caller tuning kernel by kernel opens it once). Prints one line
+    per task."""
     from ..build import lower
     from .suite import SuiteKernel, suite_ir_module
 
@@ -186,10 +189,8 @@ def tune(
         os.environ.setdefault("TVM_NUM_THREADS", str(int(target.attrs["num-cores"])))
     os.makedirs(work_dir, exist_ok=True)
     tasks = ms.relax_integration.extract_tasks(lower(mod, target, schedule=False), target)
-    db = ms.database.JSONDatabase(work_dir=work_dir)
-    # Builds and runs alternate (a batch is built, then measured), so builds can use every core.
-    builder = ms.builder.LocalBuilder(f_build=build_candidate, max_workers=os.cpu_count() or 1, timeout_sec=60)
-    runner = runner or ms.runner.LocalRunner(timeout_sec=run_timeout, evaluator_config=_evaluator())
+    db = database if database is not None else ms.database.JSONDatabase(work_dir=work_dir)
+    builder = None  # started with the first task that is searched (their worker pools take ~10 s)
     results = []
     deadline = None if time_budget is None else time.time() + time_budget
     for i, task in enumerate(tasks):
@@ -211,6 +212,11 @@ def tune(
                       + ("" if status == "resumed" else f" ({status})"), flush=True)
             continue
         start = time.time()
+        if builder is None:
+            # Builds and runs alternate (a batch is built, then measured), so builds can use every core.
+            builder = ms.builder.LocalBuilder(f_build=build_candidate, max_workers=os.cpu_count() or 1,
+                                              timeout_sec=60)
+            runner = runner or ms.runner.LocalRunner(timeout_sec=run_timeout, evaluator_config=_evaluator())
         _drop_unnamed_log_handlers()
         errors = []
         for how, space in _spaces(target):
@@ -362,7 +368,7 @@ class Export:
 def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = None,
                compare_default: bool = True, verbose: bool = True,
                kernels: tvm.IRModule | list[tvm.IRModule] | dict[str, tvm.IRModule] | None = None,
-               min_speedup: float = MIN_SPEEDUP) -> Export:
+               min_speedup: float = MIN_SPEEDUP, database: ms.database.Database | None = None) -> Export:
     """Write the best record of every kernel in ``work_dir``'s database to ``log_dir`` (MetaSchedule's
     own pruning, ``Database.dump_pruned``): the tuning log that gets committed, while the full
     search history stays in ``work_dir``.
@@ -379,10 +385,12 @@ def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = N
     they are all dropped. The second check is there because kernels timed alone are not the module:
     blocked attention's 18 slice and concatenation kernels each won alone, yet its build with
     them read 5-20% slower than without in three benchmark runs (if only by noise, the records
-    were not worth keeping: together they save microseconds of a 50 ms kernel)."""
+    were not worth keeping: together they save microseconds of a 50 ms kernel).
+
+    ``database``: ``work_dir``'s database already open (as :func:`tune` takes it)."""
     from ..build import load_tuning_log
 
-    src = load_tuning_log(work_dir)
+    src = database if database is not None else load_tuning_log(work_dir)
     with tempfile.TemporaryDirectory() as tmp:
         pruned = ms.database.JSONDatabase(work_dir=tmp)
         src.dump_pruned(pruned)
