@@ -103,7 +103,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     export_head = ["kernel stages", "tuned us", "default us", "in the log"]
     export_rows = [(r.kernel, _us(r.tuned_us), _us(r.default_us), _export_verdict(r, faster)) for r in exported.rows]
     module_head = ["suite kernel", "records", "with them ms", "without ms", "records kept"]
-    module_rows = [(m.name, m.records, f"{m.tuned_ms:.2f}", f"{m.default_ms:.2f}", "yes" if m.kept else "no: slower")
+    module_rows = [(m.name, m.records, f"{m.tuned_ms:.2f}", f"{m.default_ms:.2f}", "yes" if m.kept else f"no: not {faster}")
                    for m in exported.modules]
     print()
     _table(task_head, rows)
@@ -185,8 +185,8 @@ def _export_verdict(row, faster: str) -> str:
         return "yes"
     if row.stale:
         return "no: stale (kernel changed)"
-    if row.slower_module:
-        return f"no: {row.slower_module} ran slower with its records"
+    if row.dropped_with_module:
+        return f"no: {row.dropped_with_module} as a whole not {faster} with its records"
     return f"no: not {faster} than the default"
 
 
@@ -241,7 +241,7 @@ def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, 
              f"(kept only when at least {faster}):", "", *md(export_head, export_rows), ""]
     if module_rows:
         lines += ["Each suite kernel that kept records, built with them and without them and timed as a whole "
-                  "(median of 7 interleaved rounds); where it was not faster with them, they were dropped:", "",
+                  f"(median of 7 interleaved rounds); where it was not {faster} with them, they were dropped:", "",
                   *md(module_head, module_rows), ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
