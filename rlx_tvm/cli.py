@@ -93,8 +93,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if skipped:
         print(f"{skipped} task(s) skipped: the time budget is spent; run the command again to resume", flush=True)
     print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
-    # Every suite kernel at both scales: records of no current kernel are stale, and each module
-    # must run faster with its records than without them.
+    # Every suite kernel at both scales: records of no current kernel are stale, and each suite
+    # kernel must run at least MIN_SPEEDUP times faster with its records than without them.
     exported = export_log(work_dir, log_dir, target, compare_default=not args.keep_all,
                           kernels={f"{k.name} ({scale})": suite_module(k, scale)
                                    for scale in ("full", "small") for k in suite_kernels()}, database=db)

@@ -286,7 +286,7 @@ class ExportRow:
     default_us: float | None
     kept: bool
     stale: bool = False  # no current kernel has this workload any more
-    dropped_with_module: str | None = None  # the module whose check (faster with its records?) dropped it
+    dropped_with_module: str | None = None  # the module whose whole-build check dropped it
 
 
 @dataclass
@@ -298,7 +298,7 @@ class ModuleCheck:
     records: int  # records of the log that apply to it
     tuned_ms: float
     default_ms: float
-    kept: bool  # its records stay in the log (the module was faster enough with them)
+    kept: bool  # its records stay in the log (it was at least module_min_speedup times faster with them)
 
 
 def _kernel_label(mod: tvm.IRModule) -> str:
