@@ -322,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--key", help="with --rpc: the device key the RPC servers registered with (--key of rpc_server)")
     tu.add_argument("--keep-all", action="store_true",
                     help="put every kernel's best record in the log; by default a record is re-measured against "
-                         "the kernel's default schedule and left out unless it is at least 5%% faster")
+                         "the kernel's default schedule and left out unless it is at least 5%% faster, and then "
+                         "each suite kernel is timed with its records and without them, and its records are left "
+                         "out unless it is at least 5%% faster with them")
     tu.add_argument("--scale", default="full", choices=["full", "small"],
                     help="suite shapes (default full, the benchmark's; small: a quick check)")
     tu.set_defaults(func=_cmd_tune)
