@@ -322,13 +322,7 @@ def _time_us(mods: list[tvm.IRModule], target: tvm.target.Target, rounds: int = 
     """Median latency of each PrimFunc module on the same random inputs, rounds interleaved."""
     import numpy as np
 
-    func = mods[0]["main"]
-    rng = np.random.default_rng(0)
-    args = []
-    for info in ms.arg_info.ArgInfo.from_prim_func(func):
-        shape, dtype = [int(d) for d in info.shape], str(info.dtype)
-        data = rng.standard_normal(shape).astype(dtype) if "float" in dtype else np.zeros(shape, dtype)
-        args.append(tvm.runtime.tensor(data))
+    args = _random_tensors((info.shape, info.dtype) for info in ms.arg_info.ArgInfo.from_prim_func(mods[0]["main"]))
     timers = [tvm.compile(m, target=target).mod.time_evaluator("main", tvm.cpu(), number=1, repeat=1, min_repeat_ms=50)
               for m in mods]
     samples = [[] for _ in mods]
@@ -336,6 +330,20 @@ def _time_us(mods: list[tvm.IRModule], target: tvm.target.Target, rounds: int = 
         for i, timer in enumerate(timers):
             samples[i].append(timer(*args).mean)
     return [float(np.median(x)) * 1e6 for x in samples]
+
+
+def _random_tensors(specs) -> list:
+    """Tensors of the given (shape, dtype)s, the same on every call: standard normal floats, zero
+    integers (always in range as indices)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = []
+    for shape, dtype in specs:
+        shape, dtype = [int(d) for d in shape], str(dtype)
+        data = rng.standard_normal(shape).astype(dtype) if "float" in dtype else np.zeros(shape, dtype)
+        out.append(tvm.runtime.tensor(data))
+    return out
 
 
 def _drop_unnamed_log_handlers() -> None:
@@ -398,7 +406,11 @@ def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = N
         src.dump_pruned(pruned)
         records = pruned.get_all_tuning_records()
     units = _named_modules(kernels)
-    current = None if units is None else _kernel_workloads(list(units.values()), target)
+    # Lowered once per module, for the target the records were tuned for (as rlx_tvm.compile looks
+    # them up): the stale check takes them all, the module check each module's own.
+    lower_target = target or (records[0].target if records else None)
+    unit_workloads = {} if units is None else {name: _kernel_workloads(m, lower_target) for name, m in units.items()}
+    current = None if units is None else [w for ws in unit_workloads.values() for w in ws]
     rows, kept = [], []  # kept: (record, row) pairs that passed the per-kernel check
     for i, rec in enumerate(records):
         row = _check_record(rec, target, current, compare_default, min_speedup)
@@ -409,15 +421,13 @@ def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = N
             print(f"[{i + 1}/{len(records)}] {_export_line(row, min_speedup)}", flush=True)
     _write_log(log_dir, [rec for rec, _ in kept])
     modules = []
-    rec_target = target or (records[0].target if records else None)
-    if compare_default and units and kept and rec_target.kind.name == "llvm":
+    if compare_default and units and kept and lower_target.kind.name == "llvm":
         for name, mod in units.items():
-            workloads = _kernel_workloads([mod], rec_target)
             mine = [(rec, row) for rec, row in kept
-                    if row.kept and any(tvm_ffi.structural_equal(rec.workload.mod, w) for w in workloads)]
+                    if row.kept and any(tvm_ffi.structural_equal(rec.workload.mod, w) for w in unit_workloads[name])]
             if not mine:
                 continue
-            tuned_ms, default_ms = _time_module_ms(mod, rec_target, log_dir)
+            tuned_ms, default_ms = _time_module_ms(mod, lower_target, log_dir)
             check = ModuleCheck(name, len(mine), tuned_ms, default_ms,
                                 kept=tuned_ms * module_min_speedup <= default_ms)
             modules.append(check)
@@ -485,12 +495,7 @@ def _time_module_ms(mod: tvm.IRModule, target: tvm.target.Target, log_dir: str, 
     from ..bench import SETTLE_MS, calibrated_timer, vm_runner
     from ..build import compile as rlx_compile
 
-    rng = np.random.default_rng(0)
-    args = []
-    for param in mod["main"].params:
-        shape, dtype = [int(d) for d in param.ty.shape.values], str(param.ty.dtype)
-        data = rng.standard_normal(shape).astype(dtype) if "float" in dtype else np.zeros(shape, dtype)
-        args.append(tvm.runtime.tensor(data))
+    args = _random_tensors((p.ty.shape.values, p.ty.dtype) for p in mod["main"].params)
     timers = [calibrated_timer(vm_runner(rlx_compile(mod, target, tuning_log=log, verbose=False), args), min_ms)
               for log in (log_dir, None)]
     samples = [[], []]
