@@ -370,16 +370,47 @@ def test_half_precision_inputs():
 
 
 def test_llvm_intrinsics_only_for_llvm_targets():
-    """The CPU kernel prefetches the next plane and clears each plane of dx with LLVM intrinsics
-    (prefetch, memset): present for llvm targets; for the C target (whose code generator has no
-    LLVM intrinsics) neither, and a vector loop clears the plane."""
+    """The CPU kernel prefetches the next plane with an LLVM intrinsic and writes rows of dx as
+    explicit vectors (shuffles) on llvm targets; for the C target (whose code generator has no
+    LLVM intrinsics) neither, and no plane is cleared with memset on either."""
     from rlx_tvm import build
     from rlx_tvm.schedules.tune import cpu_target
 
-    case = _trap("prefetch", _distinct(1, 2, 8, 8), kernel_size=2)
+    case = _trap("prefetch", _distinct(1, 2, 8, 40), kernel_size=3, stride=2, padding=1)
     for target, expected in ((cpu_target(), True), (tvm.target.Target("c"), False)):
         lowered = build.lower(build_module([case], "float32", False), target, tuning_log=None, verbose=False)
         script = lowered["rlx_max_pool2d_backward"].script()
         assert ("llvm.prefetch" in script) == expected, target
-        assert ("llvm.memset" in script) == expected, target
-        assert ("T.vectorized(64)" in script) != expected, target  # the 8 x 8 plane cleared by a vector loop
+        assert ("T.Shuffle" in script) == expected, target
+        assert "llvm.memset" not in script, target
+
+
+def test_cpu_kernel_scalar_and_vector_paths_agree():
+    """The kernel's scalar code (non-LLVM targets, and planes too narrow for a vector of windows)
+    and its vector code (frame split and dx rows by shuffles, edges from end vectors) against the
+    reference, both compiled with LLVM: k3 s2 p1 on widths with and without a partial last vector,
+    a dilated ceil-mode geometry with several windows per element, and float64."""
+    from rlx_tvm.ops.pool import _cpu_kernel
+    from rlx_tvm.schedules.tune import cpu_target
+
+    geometries = [
+        (dict(kernel_size=(3, 3), stride=(2, 2), padding=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False), (3, 40)),
+        (dict(kernel_size=(3, 3), stride=(2, 2), padding=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False), (4, 69)),
+        (dict(kernel_size=(2, 3), stride=(1, 2), padding=(0, 2, 0, 2), dilation=(1, 3), ceil_mode=True), (5, 75)),
+    ]
+    for dtype in ("float32", "float64"):
+        for attrs, (h, w) in geometries:
+            x = np.round(RNG.standard_normal((2, 3, h, w)) * 2).astype(dtype)  # ties
+            (pt, pl, pb, pr), (kh, kw), (sh, sw), (dh, dw) = attrs["padding"], attrs["kernel_size"], attrs["stride"], attrs["dilation"]
+            ho = _out_size(h, pt, pb, kh, sh, dh, attrs["ceil_mode"])
+            wo = _out_size(w, pl, pr, kw, sw, dw, attrs["ceil_mode"])
+            dy = RNG.standard_normal((2, 3, ho, wo)).astype(dtype)
+            hp = max(pt + h, (ho - 1) * sh + (kh - 1) * dh + 1)
+            want = max_pool2d_vjp(x.astype("float64"), dy.astype("float64"), **attrs).reshape(2, 3, h * w)
+            for llvm in (True, False):
+                kernel = _cpu_kernel(dtype, dtype, 2, 3, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp, llvm)
+                assert ("T.Shuffle" in kernel.script()) == llvm
+                f = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=cpu_target())
+                got = tvm.runtime.empty((2, 3, h * w), dtype)
+                f(tvm.runtime.tensor(x), tvm.runtime.tensor(dy), got)
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6, err_msg=f"{dtype} {attrs} {w} llvm={llvm}")
