@@ -463,25 +463,27 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
                     if llvm:
                         prefetch_next_plane(x, dx, vb, vc, ho_live + ny)
                     for py in T.unroll(sh):
+                        # (Indices clamped under their guards, so that bounds checks see them in range.)
                         if pt <= ny * sh + py and ny * sh + py < pt + h:
                             if vector_rows:
                                 if nx_lo > 0:  # the left edge: the lanes of a vector at nx = 0 that fall inside
                                     edge[T.Ramp(0, 1, lanes * sw)] = routed_vector(taps, dys, ny, py, 0)
                                     for e in range(nx_lo * sw - pl):
-                                        dx[vb, vc, (ny * sh + py - pt) * w + e] = edge[pl + e]
+                                        dx[vb, vc, clamp_index(ny * sh + py - pt, h) * w + e] = edge[pl + e]
                                 for blk in range(n_blocks):
-                                    dx[vb, vc, T.Ramp((ny * sh + py - pt) * w + T.min(nx_lo + blk * lanes, nx_hi - lanes) * sw - pl,
+                                    dx[vb, vc, T.Ramp(clamp_index(ny * sh + py - pt, h) * w + T.min(nx_lo + blk * lanes, nx_hi - lanes) * sw - pl,
                                                       1, lanes * sw)] = routed_vector(
                                         taps, dys, ny, py, T.min(nx_lo + blk * lanes, nx_hi - lanes))
                                 if nx_hi < nx_n:  # the right edge, from a vector at nx = nx_n - lanes
                                     edge[T.Ramp(0, 1, lanes * sw)] = routed_vector(taps, dys, ny, py, nx_n - lanes)
                                     for e in range(w - (nx_hi * sw - pl)):
-                                        dx[vb, vc, (ny * sh + py - pt) * w + nx_hi * sw - pl + e] = edge[(nx_hi - nx_n + lanes) * sw + e]
+                                        dx[vb, vc, clamp_index(ny * sh + py - pt, h) * w + nx_hi * sw - pl + e] = edge[(nx_hi - nx_n + lanes) * sw + e]
                             else:
                                 for nx in range(nx_n):
                                     for px in T.unroll(sw):
                                         if pl <= nx * sw + px and nx * sw + px < pl + w:
-                                            dx[vb, vc, (ny * sh + py - pt) * w + nx * sw + px - pl] = routed(taps, dys, ny, py, nx, px)
+                                            dx[vb, vc, clamp_index(ny * sh + py - pt, h) * w + clamp_index(nx * sw + px - pl, w)] = routed(
+                                                taps, dys, ny, py, nx, px)
 
     return kernel
 
