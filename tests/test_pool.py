@@ -387,9 +387,10 @@ def test_llvm_intrinsics_only_for_llvm_targets():
 
 def test_cpu_kernel_scalar_and_vector_paths_agree():
     """The kernel's scalar code (non-LLVM targets, and planes too narrow for a vector of windows)
-    and its vector code (frame split and dx rows by shuffles, edges from end vectors) against the
-    reference, both compiled with LLVM: k3 s2 p1 on widths with and without a partial last vector,
-    a dilated ceil-mode geometry with several windows per element, and float64."""
+    and its vector code (frame split and dx rows by shuffles, edges from end vectors; 8 lanes as
+    for AVX2, 16 as for AVX-512) against the reference, all compiled with LLVM: k3 s2 p1 on widths
+    with and without a partial last vector, a dilated ceil-mode geometry with several windows per
+    element, and float64."""
     from rlx_tvm.ops.pool import _cpu_kernel
     from rlx_tvm.schedules.tune import cpu_target
 
@@ -407,10 +408,11 @@ def test_cpu_kernel_scalar_and_vector_paths_agree():
             dy = RNG.standard_normal((2, 3, ho, wo)).astype(dtype)
             hp = max(pt + h, (ho - 1) * sh + (kh - 1) * dh + 1)
             want = max_pool2d_vjp(x.astype("float64"), dy.astype("float64"), **attrs).reshape(2, 3, h * w)
-            for llvm in (True, False):
-                kernel = _cpu_kernel(dtype, dtype, 2, 3, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp, llvm)
+            for llvm, lanes in ((True, 8), (True, 16), (False, 8)):
+                kernel = _cpu_kernel(dtype, dtype, 2, 3, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp,
+                                     llvm, lanes)
                 assert ("T.Shuffle" in kernel.script()) == llvm
                 f = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=cpu_target())
                 got = tvm.runtime.empty((2, 3, h * w), dtype)
                 f(tvm.runtime.tensor(x), tvm.runtime.tensor(dy), got)
-                np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6, err_msg=f"{dtype} {attrs} {w} llvm={llvm}")
+                np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6, err_msg=f"{dtype} {attrs} {w} llvm={llvm} lanes={lanes}")

@@ -38,6 +38,7 @@ from tvm import relax, te, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import tirx as T_builder
 
+from ..schedules.common import vector_lanes
 from ._llvm import has_llvm_intrinsics, prefetch
 from ._math import acc_dtype, clamp_index, tensor_dtype
 from .conv import check_pair, check_padding, check_window_fits, same_dim, span, static_dims, window_geometry
@@ -243,8 +244,9 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
         winner = bb.emit(bb.call_te(argmax_kernel, x, primfunc_name_hint="rlx_max_pool2d_argmax"))
         return bb.call_te(gather_kernel, winner, dy, primfunc_name_hint="rlx_max_pool2d_backward")
     n, c = x.ty.shape.values[:2]
-    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp,
-                         has_llvm_intrinsics(target))
+    llvm = has_llvm_intrinsics(target)
+    lanes = vector_lanes(target) if llvm and target is not None else LANES
+    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp, llvm, lanes)
     # The kernel writes each plane of dx as a flat array (the routed dy lands at a flat offset).
     flat = bb.emit(relax.call_tir(bb.add_func(kernel, "rlx_max_pool2d_backward"), [x, dy],
                                   relax.TensorType([n, c, h * w], acc)))
@@ -252,19 +254,21 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
     return out if acc == dtype else relax.op.astype(out, dtype)
 
 
-# Windows per vector: 8 lanes, one AVX2 register of float32. 16 (two registers) spilled the nine
-# taps of a vector to the stack and, at 56 windows a row, computed 8 windows more than 8 lanes do.
+# Windows per vector: one register of float32, the target's (8 with AVX2, 16 with AVX-512); this
+# without a target. On AVX2, 16 (two registers) spilled the nine taps of a vector to the stack and,
+# at 56 windows a row, computed 8 windows more than 8 lanes do.
 LANES = 8
 
 
-def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads, hp, llvm=True) -> tirx.PrimFunc:
+def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads, hp, llvm=True,
+                lanes=LANES) -> tirx.PrimFunc:
     """The CPU kernel: one (batch, channel) plane per iteration of the (parallel) plane loop, so
     that planes are race-free, and within a plane:
 
     1. a padded frame of x, split by column phase (``frame[y, p, k]`` holds padded column
        ``k*sw + p``), so that each tap reads consecutive elements for consecutive windows
        (stride-free vector loads); NaN marks the padding, which never compares equal or greater;
-    2. per row of windows, in vectors of ``LANES`` windows: the max over the taps, then the first
+    2. per row of windows, in vectors of ``lanes`` windows: the max over the taps, then the first
        tap equal to it (the ``min`` of the equal taps' ids): two passes whose dependency chains
        are one ``max`` and one integer ``min`` per tap (a one-pass running argmax was 1.5x
        slower, latency-bound); each window's winning tap and its dy go to two small per-plane
@@ -273,7 +277,7 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
        it: split by phase like the frame (padded row ``ny*sh + py``, column ``nx*sw + px``), the
        windows holding an element and the tap it is to each are constants of its phase, so that
        each element is a few compares of the tables' neighbouring entries against constants. With
-       ``llvm``, a row goes by vectors of ``LANES`` nx per phase, interleaved by a shuffle into
+       ``llvm``, a row goes by vectors of ``lanes`` nx per phase, interleaved by a shuffle into
        one store of consecutive dx. No scatter: windows that overlap add up in registers, not
        through memory, and every element of dx is written once, with plain stores.
 
@@ -291,7 +295,6 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     # Symbolic batch/channels: kernel-local vars, bound from the buffers.
     n = _i64(n) if isinstance(n, (int, tirx.IntImm)) else tirx.Var("n", "int64")
     c = _i64(c) if isinstance(c, (int, tirx.IntImm)) else tirx.Var("c", "int64")
-    lanes = LANES
     n_vec = -(-wo // lanes)
     wq = n_vec * lanes + (kw - 1) * dw // sw  # a phase row holds every tap of every lane
     line = 512 // tvm.DataType(dtype).bits  # elements per 64-byte cache line
