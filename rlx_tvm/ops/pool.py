@@ -38,7 +38,6 @@ from tvm import relax, te, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import tirx as T_builder
 
-from ..schedules.common import vector_lanes
 from ._llvm import has_llvm_intrinsics, prefetch
 from ._math import acc_dtype, clamp_index, tensor_dtype
 from .conv import check_pair, check_padding, check_window_fits, same_dim, span, static_dims, window_geometry
@@ -245,8 +244,7 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
         return bb.call_te(gather_kernel, winner, dy, primfunc_name_hint="rlx_max_pool2d_backward")
     n, c = x.ty.shape.values[:2]
     llvm = has_llvm_intrinsics(target)
-    lanes = vector_lanes(target) if llvm and target is not None else LANES
-    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp, llvm, lanes)
+    kernel = _cpu_kernel(dtype, acc, n, c, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp, llvm)
     # The kernel writes each plane of dx as a flat array (the routed dy lands at a flat offset).
     flat = bb.emit(relax.call_tir(bb.add_func(kernel, "rlx_max_pool2d_backward"), [x, dy],
                                   relax.TensorType([n, c, h * w], acc)))
@@ -254,9 +252,10 @@ def _fused(bb, x, dy, *, kernel_size, stride, padding, dilation, ceil_mode):
     return out if acc == dtype else relax.op.astype(out, dtype)
 
 
-# Windows per vector: one register of float32, the target's (8 with AVX2, 16 with AVX-512); this
-# without a target. On AVX2, 16 (two registers) spilled the nine taps of a vector to the stack and,
-# at 56 windows a row, computed 8 windows more than 8 lanes do.
+# Windows per vector, on every target: 8. On AVX2 (znver3) 16 (two registers) spilled the nine taps
+# of a vector to the stack and, at 56 windows a row, computed 8 windows more than 8 lanes do; on
+# AVX-512 (znver4), where 16 is one register, 16 was still slower than 8 (2.65 vs 2.39 ms for the
+# suite's shape, 4 lanes 2.72: a row's interleaved store of 16 elements is one register there).
 LANES = 8
 
 
@@ -287,7 +286,8 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     of dx first with ``memset`` (``_llvm.zero_bytes``), which claims its cache lines without
     reading them, was 15% slower than letting the stores read them (znver3, 2 threads): it is not
     done. Against the kernel this replaced (dy scattered to the winners, a memset'ed plane, 16
-    lanes): 3.4-3.7 ms vs 3.7-4.1 ms at (8, 64, 112, 112), 71-73% vs 57-63% of the copy bandwidth.
+    lanes): 3.4-3.7 ms vs 3.7-4.1 ms at (8, 64, 112, 112), 71-73% vs 57-63% of the copy bandwidth
+    (znver3, 2 threads); 2.31-2.39 vs 2.49-2.54 ms on znver4 (with 8 lanes; 16 took 2.65).
     Written as TIR, not TE: the frame layout, the per-vector state and the phase-split tables are
     not expressible as TE stages that a schedule could vectorize. NaN inputs never win either (a
     window of NaN routes nowhere), nor does padding."""
