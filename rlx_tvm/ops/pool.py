@@ -373,7 +373,7 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
             T_builder.buffer_store(frame, tirx.Shuffle([row], [p + sw * l for l in range(lanes)]),
                                    [pt + y, p, tirx.Ramp(k, 1, lanes)])
 
-    def prefetch_next_plane(x, dx, vb, vc, step):
+    def prefetch_next_plane(x, vb, vc, step):
         # Slice ``step`` of the next plane's x.
         plane = T.min(vb * c + vc + 1, n * c - 1)
         for q in range(prefetch_lines):
@@ -442,7 +442,7 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
                             taps[yy, rx - 1 + n_vec * lanes + xx] = none
                 for oy in range(ho_live):
                     if llvm:
-                        prefetch_next_plane(x, dx, vb, vc, oy)
+                        prefetch_next_plane(x, vb, vc, oy)
                     for v in range(n_vec):
                         # (No let-bound values inside the vector loops: TVM 0.27's vectorizer
                         # gets them wrong; each tap's frame element is spelled out instead.)
@@ -464,7 +464,7 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
                             taps[ry - 1 + oy, rx - 1 + v * lanes + l] = T.Select(v * lanes + l < wo_live, first[l], none)
                 for ny in range(ny_n):
                     if llvm:
-                        prefetch_next_plane(x, dx, vb, vc, ho_live + ny)
+                        prefetch_next_plane(x, vb, vc, ho_live + ny)
                     for py in T.unroll(sh):
                         # (Indices clamped under their guards, so that bounds checks see them in range.)
                         if pt <= ny * sh + py and ny * sh + py < pt + h:
