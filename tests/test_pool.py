@@ -388,9 +388,9 @@ def test_llvm_intrinsics_only_for_llvm_targets():
 def test_cpu_kernel_scalar_and_vector_paths_agree():
     """The kernel's scalar code (non-LLVM targets, and planes too narrow for a vector of windows)
     and its vector code (frame split and dx rows by shuffles, edges from end vectors; 8 lanes, the
-    width it is built with, and 16, a width it accepts) against the reference, all compiled with LLVM: k3 s2 p1 on widths
-    with and without a partial last vector, a dilated ceil-mode geometry with several windows per
-    element, and float64."""
+    width it is built with, and 16, a width it accepts) against the reference, all compiled with
+    LLVM: k3 s2 p1 on widths with and without a partial last vector, a dilated ceil-mode geometry
+    with several windows per element, and float64."""
     from rlx_tvm.ops.pool import _cpu_kernel
     from rlx_tvm.schedules.tune import cpu_target
 
