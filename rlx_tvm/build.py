@@ -55,8 +55,7 @@ def tuning_log_for(target) -> str | None:
     return path if os.path.isdir(path) else None
 
 
-def _log_target_mismatch(db, target) -> str | None:
-    records = db.get_all_tuning_records()
+def _log_target_mismatch(records, target) -> str | None:
     tuned_for = {target_key(r.target) for r in records if r.target is not None}
     want = target_key(target)
     return None if not tuned_for or want in tuned_for else ", ".join(sorted(tuned_for))
@@ -131,7 +130,8 @@ def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, t
             note = f"no tuning log for target {target_key(target)} in {TUNING_LOGS}: {kernels} kernels with default schedules"
     if tuning_log is not None:
         db = load_tuning_log(tuning_log)
-        other = _log_target_mismatch(db, target)
+        records = db.get_all_tuning_records()
+        other = _log_target_mismatch(records, target)
         if other is not None:
             note = (f"tuning log {tuning_log} was tuned for {other}, not {target_key(target)}: "
                     f"not applied, {kernels} kernels with default schedules")
@@ -142,7 +142,9 @@ def lower_with_report(mod: tvm.IRModule, target="llvm", schedule: bool = True, t
             tuned = sorted(_scheduled(mod) - before)
             note = (f"{len(tuned)} of {kernels} kernels tuned from {tuning_log}"
                     + ("" if len(tuned) == kernels else f", {kernels - len(tuned)} with default schedules "
-                       "(no matching record: other shape or dtype)"))
+                       + ("(the log holds no records)" if not records else
+                          "(no record in the log matches them: another shape or dtype, a kernel changed "
+                          "since tuning, or its record was not kept at export)")))
     if schedule and target.kind.name == "llvm":
         with target:
             mod = dl.ApplyDefaultSchedule(*default_cpu_rules())(mod)

@@ -73,8 +73,26 @@ def test_compile_applies_the_log_and_matches_the_reference(tuned, capsys):
 
     other = _case(16)  # another shape: no record, default schedule, says so
     ex = rlx_tvm.compile(build_module([other], "float32", symbolic=False), cpu_target(), tuning_log=work)
-    assert "0 of 1 kernels tuned" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "0 of 1 kernels tuned" in err and "no record in the log matches" in err, err
     np.testing.assert_allclose(_run(ex, other), other.reference(), rtol=2e-4, atol=2e-5)
+
+
+def test_empty_log_builds_default_schedules_and_says_why(tmp_path, capsys):
+    """A log that export left empty (no record beat its default schedule) is valid: the kernels
+    get default schedules, and the message says the log holds nothing rather than blaming shapes."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from rlx_tvm.schedules.tune import export_log
+
+    case = _case(16)
+    (tmp_path / "work").mkdir()
+    ms.database.JSONDatabase(work_dir=str(tmp_path / "work"))  # a work database with no records
+    export_log(str(tmp_path / "work"), str(tmp_path / "empty"), verbose=False)
+    ex = rlx_tvm.compile(build_module([case], "float32", symbolic=False), cpu_target(), tuning_log=str(tmp_path / "empty"))
+    err = capsys.readouterr().err
+    assert "0 of 1 kernels tuned" in err and "the log holds no records" in err, err
+    np.testing.assert_allclose(_run(ex, case), case.reference(), rtol=2e-4, atol=2e-5)
 
 
 def test_missing_or_corrupt_log_is_a_clear_error(tuned, tmp_path):
