@@ -11,7 +11,8 @@ For every suite kernel (:mod:`rlx_tvm.schedules.suite`) and in one process:
   when torch is installed.
 
 Repeats are interleaved (each round times every variant once, in a shuffled order, seeded), each
-timing averages enough calls to last ``min_ms`` and follows a pause of ``settle_ms``, and the
+timing averages enough calls to last ``min_ms`` and follows a pause of at least ``settle_ms``
+that lasts until the process's threads are idle (:func:`settle`), and the
 median over repeats is reported. TVM and torch use the same thread count. A parallel copy kernel,
 timed in every kernel's rounds alongside its variants, gives the machine's copy bandwidth at that
 time, the yardstick for that memory-bound kernel (on a shared machine it moved between 29.5 and 52
@@ -40,6 +41,38 @@ VARIANTS = ("tuned", "default", "tvm", "torch")
 # with them (group norm backward: 1.7-2.0 ms right after torch, 0.9-1.0 ms after a 50 ms pause).
 # The order is shuffled per round as well (seeded), so that no variant always follows the same one.
 SETTLE_MS = 100.0
+# The pause lasts at least SETTLE_MS and until the process has used no CPU for QUIET_MS (at most
+# SETTLE_MAX_MS): TVM's pool keeps a core busy for 150-180 ms after its last call (its workers
+# yield in a loop for TVM_THREAD_POOL_SPIN_COUNT rounds), PyTorch's OpenMP for about 10 ms. With a
+# fixed 100 ms pause a PyTorch timing after a TVM one ran beside the spinning worker: PyTorch's
+# cumsum backward took 17-33 ms per call 100 ms after TVM calls and 0.6-1.2 ms 10 or 500 ms after,
+# and read 23 ms in two full runs (0.26-0.29 ms with the pause lasting until the process is quiet).
+QUIET_MS = 20.0
+SETTLE_MAX_MS = 1000.0
+
+
+def settle(min_ms: float = SETTLE_MS, quiet_ms: float = QUIET_MS, max_ms: float = SETTLE_MAX_MS) -> float:
+    """Sleep at least ``min_ms``, then until this process's threads have used (almost) no CPU time
+    for ``quiet_ms`` (no more than ``max_ms`` in all); returns the milliseconds slept."""
+    import resource
+
+    def cpu_s() -> float:
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+
+    start = time.perf_counter()
+    time.sleep(min_ms / 1e3)
+    step = quiet_ms / 4e3
+    quiet_since, last = time.perf_counter(), cpu_s()
+    while (now := time.perf_counter()) - start < max_ms / 1e3:
+        if now - quiet_since >= quiet_ms / 1e3:
+            break
+        time.sleep(step)
+        used = cpu_s()
+        if used - last > 0.1 * step:  # busy for more than a tenth of the step: not quiet yet
+            quiet_since = time.perf_counter()
+        last = used
+    return (time.perf_counter() - start) * 1e3
 
 
 @dataclass
@@ -207,7 +240,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
             # before a timing could slow it: tuned, right after torch and the copy, read 12-40%
             # slower than the identical default kernels on rope and RMS norm)
             for name in order.sample(names, len(names)):
-                time.sleep(settle_ms / 1e3)
+                settle(settle_ms)
                 samples[name].append(timers[name]())
         res.copy_gbps = _copy_gbps(statistics.median(samples.pop("copy")))
         res.ms = {name: statistics.median(v) for name, v in samples.items()}

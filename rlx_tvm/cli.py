@@ -344,8 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--repeats", type=int, default=7, help="interleaved repeats; the median is reported (default 7)")
     be.add_argument("--min-ms", type=float, default=50.0, help="each timing averages calls for at least this long")
     be.add_argument("--settle-ms", type=float, default=100.0,
-                    help="pause before each timing, so that the thread pool of the variant timed before "
-                         "(PyTorch's OpenMP, TVM's) has stopped spinning (default 100)")
+                    help="pause before each timing at least this long, and then until the process's "
+                         "threads have been idle for 20 ms (at most 1 s in all), so that the thread pool "
+                         "of the variant timed before (TVM's spins for 150-180 ms, PyTorch's OpenMP for "
+                         "about 10 ms) has stopped (default 100)")
     be.add_argument("--threads", type=int, default=None,
                     help="threads for TVM and torch (default: every CPU this process may run on)")
     be.add_argument("--tuning-log", help="tuning log directory (default: the committed log of this CPU)")

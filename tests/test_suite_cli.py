@@ -575,3 +575,31 @@ def test_cuda_device_pack_builds_and_stops_at_the_driver(tmp_path, capsys):
         assert json.loads((tmp_path / "r.json").read_text())["kernels"][0]["ms"]["tvm"] > 0
     else:
         assert "libcuda.so.1" in result.stderr or "libcudart.so.13 not found" in result.stderr, result.stderr[-2000:]
+
+
+def test_bench_pause_waits_for_busy_threads():
+    """The pause before a timing lasts until the process's other threads stop using the CPU (as
+    TVM's pool spins for 150-180 ms after its last call), not just its minimum; an idle process
+    waits its minimum and the quiet window, and never more than the cap."""
+    import threading
+    import time
+
+    from rlx_tvm.bench import settle
+
+    def spin(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    busy = threading.Thread(target=spin, args=(0.3,))
+    busy.start()
+    waited = settle(10, quiet_ms=20, max_ms=2000)
+    busy.join()
+    assert waited >= 290, waited  # it did not stop while the thread was busy
+    idle = settle(10, quiet_ms=20, max_ms=2000)
+    assert 30 <= idle < 290, idle  # 10 ms, then 20 ms of quiet
+    busy = threading.Thread(target=spin, args=(0.5,))
+    busy.start()
+    capped = settle(10, quiet_ms=20, max_ms=100)
+    busy.join()
+    assert 100 <= capped < 290, capped
