@@ -15,9 +15,9 @@ sends its dy nowhere.
   taps equal to it (the result does not depend on the order of evaluation); then dy goes to each
   window's argmax tap. On CPU one kernel does both per (batch, channel) plane, one plane per
   parallel iteration (race-free: a plane has one owner), dx gathered from a per-plane table of
-  the windows' winning taps (``_cpu_kernel``). On GPU targets (legalized in their scope) it is two kernels, the argmax and a
-  gather: for every input position the sum over the windows that contain it of dy where it is
-  their argmax tap.
+  the windows' winning taps (``_cpu_kernel``). On GPU targets (legalized in their scope) it is
+  two kernels, the argmax and a gather: for every input position the sum over the windows that
+  contain it of dy where it is their argmax tap.
 * Decomposition (graph size independent of the window): ``take`` with a constant index map
   gathers every window's taps into [N, C, kh*kw, Ho, Wo]; the winner is the smallest tap index
   (``min``) among the real taps equal to the window max (``max`` over the tap axis); a second
@@ -284,10 +284,9 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     of dx (about 10% faster at (8, 64, 112, 112): the plane's reads then overlap the previous
     plane's work), and so is its dy (5% faster on znver4: its copy into the table had waited on
     memory, 14% of the kernel's samples under ``perf``); with ``llvm`` only (the target's code
-    generator is LLVM). Clearing each plane
-    of dx first with ``memset`` (``_llvm.zero_bytes``), which claims its cache lines without
-    reading them, was 15% slower than letting the stores read them (znver3, 2 threads): it is not
-    done. Against the kernel this replaced (dy scattered to the winners, a memset'ed plane, 16
+    generator is LLVM). Clearing each plane of dx first with ``memset`` (``_llvm.zero_bytes``),
+    which claims its cache lines without reading them, was 15% slower than letting the stores
+    read them (znver3, 2 threads): it is not done. Against the kernel this replaced (dy scattered to the winners, a memset'ed plane, 16
     lanes): 3.4-3.7 ms vs 3.7-4.1 ms at (8, 64, 112, 112), 71-73% vs 57-63% of the copy bandwidth
     (znver3, 2 threads); 2.31-2.39 vs 2.49-2.54 ms on znver4 (with 8 lanes; 16 took 2.65).
     Written as TIR, not TE: the frame layout, the per-vector state and the phase-split tables are
@@ -302,8 +301,14 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     line = 512 // tvm.DataType(dtype).bits  # elements per 64-byte cache line
     nan, lowest = tirx.const(float("nan"), acc), tirx.const(NEG_INF, acc)
     none = tirx.const(2**31 - 1, "int32")  # no tap of the window equals its max
-    k_lo = min(-(-pl // sw), wq)  # the first k whose columns k*sw + p - pl are all >= 0
-    k_hi = max(k_lo, min((w + pl - sw) // sw + 1, wq))  # past the last k whose columns are all < w
+
+    def inside_columns(count):
+        # [lo, hi): the column groups g < count (padded columns g*sw + p, every phase p) that lie
+        # wholly inside the input: g*sw + p - pl >= 0 for p = 0 and < w for p = sw - 1.
+        lo = min(-(-pl // sw), count)
+        return lo, max(lo, min((w + pl - sw) // sw + 1, count))
+
+    k_lo, k_hi = inside_columns(wq)  # of the frame's columns k
     # Step 3's phase split: padded row ny*sh + py (and column nx*sw + px) over the input; window
     # ny - r (r < ry) is the only kind that can hold it.
     ry, rx = -(-span(kh, dh) // sh), -(-span(kw, dw) // sw)
@@ -315,8 +320,7 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     prefetch_lines = [-(-(h * w) // (line * steps)), -(-(ho * wo) // (line * steps))]  # of x, of dy
     # The tables: window (oy, ox) at [oy + ry - 1, ox + rx - 1], a border of none around them.
     rows_t, cols_t = ny_n + ry - 1, max(nx_n, n_vec * lanes) + rx - 1
-    nx_lo = min(-(-pl // sw), nx_n)  # the first nx whose columns nx*sw + px - pl are all >= 0
-    nx_hi = max(nx_lo, min((w + pl - sw) // sw + 1, nx_n))  # past the last nx whose columns are all < w
+    nx_lo, nx_hi = inside_columns(nx_n)  # of dx's column groups nx
 
     def holds(py, r, px, q):
         # Whether window (ny - r, nx - q) holds padded (ny*sh + py, nx*sw + px), and as which tap:
