@@ -62,8 +62,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from tvm.s_tir import meta_schedule as ms
 
     from .build import TUNING_LOGS, target_key
-    from .schedules.suite import suite_ir_module, suite_kernels, suite_module
-    from .schedules.tune import MIN_SPEEDUP, SKIPPED, export_log, rpc_runner, short_task_name, tune
+    from .schedules.suite import suite_kernels, suite_module
+    from .schedules.tune import MIN_SPEEDUP, export_log, rpc_runner
 
     target = _target(args.target)
     key = target_key(target)
@@ -76,23 +76,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             raise SystemExit("rlx-tvm tune: --rpc needs --key (the key the RPC servers registered with)")
         runner = rpc_runner(args.rpc, args.key)
         print(f"measuring on RPC servers with key {args.key!r} via the tracker at {args.rpc}", flush=True)
-    print(f"tuning {len(kernels)} suite kernel(s) for {key} ({target}), {args.trials} trials per kernel "
-          f"({min(args.trials, args.copy_trials)} for data movement), records in {work_dir}", flush=True)
-    rows = []
-    deadline = None if args.time_budget is None else time.time() + args.time_budget
     os.makedirs(work_dir, exist_ok=True)
     print(f"reading the work database {work_dir}", flush=True)
     db = ms.database.JSONDatabase(work_dir=work_dir)  # once: thousands of records take ~20 s to read
-    for i, kernel in enumerate(kernels):
-        print(f"== {kernel.name} ({i + 1}/{len(kernels)})", flush=True)
-        mod = suite_ir_module([kernel], args.scale)
-        budget = None if deadline is None else max(0.0, deadline - time.time())
-        for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed,
-                      runner=runner, time_budget=budget, copy_trials=args.copy_trials, database=db):
-            rows.append((kernel.name, short_task_name(r.name), r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
-    skipped = sum(r[-1] == SKIPPED for r in rows)
-    if skipped:
-        print(f"{skipped} task(s) skipped: the time budget is spent; run the command again to resume", flush=True)
+    if args.device_results:
+        rows = _commit_device_round(args, work_dir, db)
+    else:
+        rows = _search(args, target, key, work_dir, kernels, runner, db)
     print(f"\nexporting the best record per kernel to {log_dir}", flush=True)
     # Every suite kernel at both scales: records of no current kernel are stale, and each suite
     # kernel must run at least MIN_SPEEDUP times faster with its records than without them.
@@ -115,10 +105,60 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         _table(module_head, module_rows)
     record = os.path.join(log_dir, "TUNING.md")
     rows = _with_earlier_rows(record, rows, [k.name for k in kernels])
+    note = "" if not args.device_results else (
+        f"This run stored a tuning round measured on a device (`--device-results {args.device_results}`, "
+        f"pack `{args.pack}`); for GPU targets a record's 'default us' is its default schedule's time measured "
+        "beside it there.")
     _write_tuning_record(record, key, target, args, faster, task_head, rows, export_head, export_rows,
-                         module_head, module_rows)
+                         module_head, module_rows, note)
     print(f"\n{exported.kept} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1
+
+
+def _search(args, target, key: str, work_dir: str, kernels, runner, db) -> list[tuple]:
+    """``rlx-tvm tune``'s search: each kernel in turn, measured here or through --rpc."""
+    from .schedules.suite import suite_ir_module
+    from .schedules.tune import SKIPPED, short_task_name, tune
+
+    print(f"tuning {len(kernels)} suite kernel(s) for {key} ({target}), {args.trials} trials per kernel "
+          f"({min(args.trials, args.copy_trials)} for data movement), records in {work_dir}", flush=True)
+    rows = []
+    deadline = None if args.time_budget is None else time.time() + args.time_budget
+    for i, kernel in enumerate(kernels):
+        print(f"== {kernel.name} ({i + 1}/{len(kernels)})", flush=True)
+        mod = suite_ir_module([kernel], args.scale)
+        budget = None if deadline is None else max(0.0, deadline - time.time())
+        for r in tune(mod, target, trials=args.trials, work_dir=work_dir, seed=args.seed,
+                      runner=runner, time_budget=budget, copy_trials=args.copy_trials, database=db):
+            rows.append((kernel.name, short_task_name(r.name), r.trials, "-" if r.best_us is None else f"{r.best_us:.1f}", r.status))
+    skipped = sum(r[-1] == SKIPPED for r in rows)
+    if skipped:
+        print(f"{skipped} task(s) skipped: the time budget is spent; run the command again to resume", flush=True)
+    return rows
+
+
+def _commit_device_round(args, work_dir: str, db) -> list[tuple]:
+    """``rlx-tvm tune --device-results``: a round measured on a device (device_time.py's results)
+    into the work database, a row per task for the table."""
+    import json
+
+    from .schedules.device_round import commit_round
+    from .schedules.tune import short_task_name
+
+    with open(args.device_results) as f:
+        results = json.load(f)
+    if "round" not in results:
+        raise SystemExit(f"rlx-tvm tune: {args.device_results} holds no tuning round (was the pack made with "
+                         "--tuning-round, and did device_time.py run without --no-round?)")
+    round_dir = os.path.join(args.pack, "round")
+    try:
+        summary = commit_round(round_dir, results["round"], work_dir, database=db)
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"rlx-tvm tune: {err}") from None
+    print(f"stored {sum(s[1] for s in summary)} measured candidates of {len(summary)} tasks "
+          f"from {args.device_results} in {work_dir}", flush=True)
+    return [("(device round)", short_task_name(name), n, _us(best), "measured on the device"
+             + ("" if default is None else f", default {default:.1f} us")) for name, n, best, default in summary]
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -167,7 +207,8 @@ def _cmd_device_pack(args: argparse.Namespace) -> int:
     print(f"building the suite for {target} into {args.out}", flush=True)
     try:
         build_pack(args.out, target, _kernel_names(args.kernels), python_version=args.python, scale=args.scale,
-                   tuning_log=args.tuning_log or "auto", progress=lambda m: print(m, flush=True))
+                   tuning_log=args.tuning_log or "auto", progress=lambda m: print(m, flush=True),
+                   tuning_round=args.tuning_round, work_dir=args.work_dir)
     except ValueError as err:
         raise SystemExit(str(err)) from None
     size = pack_size(args.out)
@@ -214,7 +255,7 @@ def _with_earlier_rows(path: str, rows: list, tuned_now: list[str]) -> list:
 
 
 def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, export_head, export_rows,
-                         module_head, module_rows) -> None:
+                         module_head, module_rows, note: str = "") -> None:
     """The budget and outcome of the run that wrote a tuning log, next to it: per task the records
     in the work database (every trial of every run that tuned it), per kernel whether the log
     keeps its best record, and per suite kernel the build with and without its records."""
@@ -235,7 +276,8 @@ def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, 
                 f" This run's time budget: {args.time_budget:g} s; a task it did not start says so, and its "
                 "records come from earlier runs.")
              + (f" Rows marked `{EARLIER.strip()}` are kernels this run did not take (`--kernels`), as an "
-                "earlier run left them." if any(r[4].startswith(EARLIER) for r in task_rows) else ""), "",
+                "earlier run left them." if any(r[4].startswith(EARLIER) for r in task_rows) else "")
+             + (f" {note}" if note else ""), "",
              *md(task_head, task_rows), "",
              "Each kernel's best record, kept without comparing it with the default schedule (--keep-all):"
              if args.keep_all else "Each kernel's best record, re-measured against its default schedule at export "
@@ -328,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "out unless it is at least 5%% faster with them")
     tu.add_argument("--scale", default="full", choices=["full", "small"],
                     help="suite shapes (default full, the benchmark's; small: a quick check)")
+    tu.add_argument("--device-results", metavar="RESULTS.json",
+                    help="instead of searching: store the tuning round that device_time.py measured on a device "
+                         "(its --out file; the pack made with device-pack --tuning-round) in --work-dir, then "
+                         "export the log as usual")
+    tu.add_argument("--pack", default="device_pack",
+                    help="with --device-results: the device pack the round came from (default device_pack)")
     tu.set_defaults(func=_cmd_tune)
 
     be = sub.add_parser(
@@ -390,6 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--python", help="the device's Python version, e.g. 3.12 (default: this one's)")
     dp.add_argument("--scale", choices=["full", "small"], default="full", help="suite shapes (default full)")
     dp.add_argument("--tuning-log", help="tuning log directory (default: the committed log for the target, if any)")
+    dp.add_argument("--tuning-round", type=int, default=0, metavar="N",
+                    help="also a MetaSchedule tuning round: up to N new candidates per task, searched here with "
+                         "the records of --work-dir, built into OUT/round; device_time.py measures them first, and "
+                         "rlx-tvm tune --device-results RESULTS.json stores them here (default 0: no round)")
+    dp.add_argument("--work-dir", help="with --tuning-round: the tuning database (default tuning_work/<target key>)")
     dp.set_defaults(func=_cmd_device_pack)
 
     ops = sub.add_parser("ops", help="list the registered rlx ops and their signatures",

@@ -14,9 +14,14 @@ device code for the target's architecture) and writes, into one directory:
   when that version is not this one's);
 * ``suite_torch.py`` (the PyTorch counterparts) and ``device_time.py`` (the timer).
 
-Run there: ``python3 PACK/device_time.py --out results.json``. Tuning needs the compiler and so
-still needs a machine that can hold it (or ``rlx-tvm tune --rpc`` against a tracker the GPU
-machine can reach).
+Run there: ``python3 PACK/device_time.py --out results.json``.
+
+With ``tuning_round=N`` the pack also holds ``round/``: a MetaSchedule tuning round of up to N
+candidates per task, built here (:mod:`rlx_tvm.schedules.device_round`), which ``device_time.py``
+measures there before timing the suite; ``rlx-tvm tune --device-results results.json`` stores the
+measurements in the work database here and exports the tuning log. Tuning needs the compiler, which
+does not fit on the device, and an RPC tracker cannot reach it, so the search runs here and only
+the measuring travels.
 """
 
 from __future__ import annotations
@@ -69,8 +74,12 @@ def _copy_runtime(dest: str, python_version: str, progress) -> None:
 
 
 def build_pack(out_dir: str, target, kernels=None, python_version: str | None = None, scale: str = "full",
-               tuning_log: str | None = "auto", progress=print) -> dict:
-    """Build the pack for ``target`` into ``out_dir`` (replaced); returns the spec."""
+               tuning_log: str | None = "auto", progress=print, tuning_round: int = 0,
+               work_dir: str | None = None) -> dict:
+    """Build the pack for ``target`` into ``out_dir`` (replaced); returns the spec. With
+    ``tuning_round``, also a tuning round of that many candidates per task of the selected kernels
+    into ``out_dir/round``, searched with the records of ``work_dir`` (the tuning database of
+    ``rlx-tvm tune``, default ``tuning_work/<target key>``)."""
     target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
     device = "cuda" if target.kind.name == "cuda" else "cpu" if target.kind.name == "llvm" else None
     if device is None:
@@ -99,6 +108,16 @@ def build_pack(out_dir: str, target, kernels=None, python_version: str | None = 
         })
         progress(f"[{i + 1}/{len(selected)}] {kernel.name}: {library} "
                  f"({os.path.getsize(os.path.join(out_dir, library)) // 1024} KiB)")
+    if tuning_round > 0:
+        from .build import target_key
+        from .schedules.device_round import make_round
+        from .schedules.suite import suite_ir_module
+
+        work_dir = work_dir or os.path.join("tuning_work", target_key(target))
+        progress(f"tuning round: up to {tuning_round} candidates per task, searched with the records of {work_dir}")
+        rnd = make_round(suite_ir_module(selected, scale), target, work_dir, os.path.join(out_dir, "round"),
+                         trials=tuning_round, progress=progress)
+        spec["round"] = {"id": rnd["id"], "work_dir": work_dir}
     _copy_runtime(os.path.join(out_dir, "tvm_runtime"), python_version, progress)
     here = os.path.dirname(os.path.abspath(__file__))
     shutil.copy(os.path.join(here, "schedules", "suite_torch.py"), out_dir)

@@ -12,6 +12,14 @@ executable) and PyTorch eager's backward, timed interleaved in rounds (median), 
 so a timing lasts ``--min-ms``; a device-to-device copy gives the memory bandwidth of the moment;
 the TVM outputs are compared with PyTorch's gradients (max relative difference, reported, not
 asserted: the semantics differ at the edges for fake-quantize). Prints a table, writes JSON.
+
+A pack made with ``--tuning-round N`` also holds ``round/``: a MetaSchedule tuning round
+(``rlx_tvm/schedules/device_round.py``), one library per task with its candidate schedules and
+its default one. Those are timed first, each task in a child process (a candidate that faults
+or hangs costs only itself: it is recorded as failed, as MetaSchedule's runner records one),
+under ``--round-budget`` seconds; the times go into the results' ``"round"``, which
+``rlx-tvm tune --device-results`` stores in the tuning database here. The results file is
+rewritten after every task and kernel, so a run cut short still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ import argparse
 import json
 import os
 import random
+import select
 import statistics
+import subprocess
 import sys
 import time
 
@@ -150,6 +160,97 @@ def _max_rel_diff(tvm_out, torch_out) -> float | None:
     return max(float(np.abs(a - b).max() / max(1e-30, np.abs(b).max())) for a, b in pairs)
 
 
+def _round_arrays(tvm, args, dev):
+    """The round's inputs as ``tune._random_tensors`` makes them: standard normal floats, zero
+    integers (in range wherever they index)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [tvm.runtime.tensor(rng.standard_normal(shape).astype(dtype) if "float" in dtype
+                               else np.zeros(shape, dtype), dev) for shape, dtype in args]
+
+
+ROUND_LINE = "rlx-round "  # marks the child's result lines among whatever else it prints
+
+
+def _load_compressed(tvm, path: str):
+    """A round's task library (xz-compressed shared library), loaded from a temporary copy."""
+    import lzma
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp, lzma.open(path) as src:
+        so = os.path.join(tmp, "task.so")
+        with open(so, "wb") as dst:
+            dst.write(src.read())
+        return tvm.runtime.load_module(so)
+
+
+def _round_task(index: int, functions: list[str]) -> int:
+    """Child process: time ``functions`` of the round's task ``index``, a JSON line each."""
+    with open(os.path.join(HERE, "round", "round.json")) as f:
+        rnd = json.load(f)
+    task, ev = rnd["tasks"][index], rnd["evaluator"]
+    tvm = _import_runtime()
+    if rnd["device"] == "cuda":
+        _load_cuda_runtime(tvm)
+    dev = tvm.device(rnd["device"], 0)
+    lib = _load_compressed(tvm, os.path.join(HERE, "round", task["library"]))
+    args = _round_arrays(tvm, task["args"], dev)
+    for name in functions:
+        timer = lib.time_evaluator(name, dev, number=ev["number"], repeat=ev["repeat"],
+                                   min_repeat_ms=ev["min_repeat_ms"])
+        dev.sync()
+        secs = [float(s) for s in timer(*args).results]
+        print(ROUND_LINE + json.dumps({"function": name, "secs": secs}), flush=True)
+    return 0
+
+
+def _measure_round(rnd: dict, budget_s: float, timeout_s: float, save) -> dict:
+    """Time every task's functions in child processes; a function that does not report within
+    ``timeout_s`` (hangs) or whose child dies (faults) is recorded as failed (None)."""
+    out = {"id": rnd["id"], "tasks": []}
+    deadline = time.time() + budget_s
+    for i, task in enumerate(rnd["tasks"]):
+        if time.time() >= deadline:
+            print(f"round: time budget spent, {len(rnd['tasks']) - i} task(s) not measured", flush=True)
+            break
+        t0 = time.time()
+        # the default schedule first and last: its time is the bar the candidates must beat
+        pending = [c["function"] for c in task["candidates"]]
+        if task["default"]:
+            pending = [task["default"], *pending, task["default"]]
+        secs: dict[str, list | None] = {}
+        while pending and time.time() < deadline:
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--round-task", str(i),
+                                     "--functions", ",".join(pending)], stdout=subprocess.PIPE, text=True)
+            while pending and time.time() < deadline:
+                ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+                line = proc.stdout.readline() if ready else ""
+                if line and not line.startswith(ROUND_LINE):
+                    print(line, end="", flush=True)
+                    continue
+                if not line:  # timed out, or the child died
+                    name = pending.pop(0)
+                    secs.setdefault(name, None)
+                    print(f"  {task['name']} {name}: failed ({'timed out' if not ready else 'process died'})",
+                          flush=True)
+                    break
+                got = json.loads(line[len(ROUND_LINE):])
+                pending.pop(0)
+                secs[got["function"]] = (secs.get(got["function"]) or []) + got["secs"]
+            proc.kill()
+            proc.wait()
+        out["tasks"].append({"task": i, "secs": secs})
+        save(out)
+        good = [min(v) for n, v in secs.items() if v and n != task["default"]]
+        default = secs.get(task["default"]) if task["default"] else None
+        line = f"round [{i + 1}/{len(rnd['tasks'])}] {task['name']}: {len(good)} of {len(task['candidates'])} ran"
+        line += f", best {min(good) * 1e6:.1f} us" if good else ""
+        line += f", default {min(default) * 1e6:.1f} us" if default else ""
+        print(f"{line} ({time.time() - t0:.0f} s)", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Time a device pack's TVM kernels against PyTorch eager on this machine.")
     parser.add_argument("--out", default="device_results.json", help="JSON results file")
@@ -157,7 +258,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds (median)")
     parser.add_argument("--min-ms", type=float, default=50.0, help="each timing lasts at least this long")
     parser.add_argument("--no-torch", action="store_true", help="leave out PyTorch")
+    parser.add_argument("--no-round", action="store_true", help="leave out the pack's tuning round, if it has one")
+    parser.add_argument("--round-budget", type=float, default=300.0,
+                        help="seconds for the tuning round; tasks not started by then are left out (default 300)")
+    parser.add_argument("--candidate-timeout", type=float, default=30.0,
+                        help="a round candidate that has not reported after this many seconds failed (default 30)")
+    parser.add_argument("--round-task", type=int, help=argparse.SUPPRESS)  # the child of the round
+    parser.add_argument("--functions", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.round_task is not None:
+        return _round_task(args.round_task, args.functions.split(","))
 
     with open(os.path.join(HERE, "spec.json")) as f:
         pack = json.load(f)
@@ -167,6 +277,22 @@ def main(argv=None) -> int:
     if device == "cuda":
         _load_cuda_runtime(tvm)
     dev = tvm.device(device, 0)
+    report = {"target": pack["target"], "device": device, "repeats": args.repeats, "min_ms": args.min_ms,
+              "kernels": []}
+
+    def save(part=None):
+        if part is not None:
+            report["round"] = part
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    round_file = os.path.join(HERE, "round", "round.json")
+    if os.path.exists(round_file) and not args.no_round:
+        with open(round_file) as f:
+            rnd = json.load(f)
+        print(f"tuning round {rnd['id']}: {len(rnd['tasks'])} tasks, "
+              f"{sum(len(t['candidates']) for t in rnd['tasks'])} candidates", flush=True)
+        _measure_round(rnd, args.round_budget, args.candidate_timeout, save)
     torch = None
     if not args.no_torch:
         try:
@@ -191,7 +317,8 @@ def main(argv=None) -> int:
     wanted = [k for k in args.kernels.split(",") if k] or packed
     if set(wanted) - set(packed):
         parser.error(f"not in this pack: {sorted(set(wanted) - set(packed))}; it has {packed}")
-    results = []
+    results = report["kernels"]
+    report["device_name"] = torch.cuda.get_device_name(0) if torch is not None and device == "cuda" else device
     for i, spec in enumerate([k for k in pack["kernels"] if k["name"] in wanted]):
         t0 = time.time()
         arrays = _inputs(spec)
@@ -214,11 +341,9 @@ def main(argv=None) -> int:
         row = {"name": spec["name"], "ms": ms, "bytes": spec["bytes"], "flops": spec["flops"], "max_rel_diff": check,
                "copy_gbps": None if copy_ms is None else 2 * (24 << 20) * 4 / (copy_ms / 1e3) / 1e9}
         results.append(row)
+        save()
         print(f"[{i + 1}/{len(wanted)}] {spec['name']}: " + ", ".join(f"{n} {v:.3f} ms" for n, v in ms.items())
               + f" ({time.time() - t0:.0f} s)", flush=True)
-    report = {"target": pack["target"], "device": device, "repeats": args.repeats, "min_ms": args.min_ms,
-              "device_name": torch.cuda.get_device_name(0) if torch is not None and device == "cuda" else device,
-              "kernels": results}
     print()
     head = ["kernel", "TVM ms", "PyTorch ms", "TVM / PyTorch", "rate", "check"]
     rows = []
@@ -231,8 +356,7 @@ def main(argv=None) -> int:
     widths = [max(len(str(x[c])) for x in [head, *rows]) for c in range(len(head))]
     for x in [head, ["-" * w for w in widths], *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(x, widths)).rstrip())
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    save()
     print(f"\nresults written to {args.out}")
     return 0
 

@@ -411,9 +411,12 @@ def export_log(work_dir: str, log_dir: str, target: tvm.target.Target | None = N
     lower_target = target or (records[0].target if records else None)
     unit_workloads = {} if units is None else {name: _kernel_workloads(m, lower_target) for name, m in units.items()}
     current = None if units is None else [w for ws in unit_workloads.values() for w in ws]
+    from .device_round import device_defaults
+
+    on_device = device_defaults(work_dir)  # default schedules' times measured on a device, by workload
     rows, kept = [], []  # kept: (record, row) pairs that passed the per-kernel check
     for i, rec in enumerate(records):
-        row = _check_record(rec, target, current, compare_default, min_speedup)
+        row = _check_record(rec, target, current, compare_default, min_speedup, on_device)
         rows.append(row)
         if row.kept:
             kept.append((rec, row))
@@ -449,21 +452,25 @@ def _named_modules(kernels) -> dict[str, tvm.IRModule] | None:
     return {f"module {i}": m for i, m in enumerate(mods)}
 
 
-def _check_record(rec, target, current, compare_default: bool, min_speedup: float) -> ExportRow:
-    """The per-kernel check of :func:`export_log`: stale, or re-measured against the default schedule."""
-    from .cpu import default_cpu_rules
+def _check_record(rec, target, current, compare_default: bool, min_speedup: float,
+                  on_device: dict[str, float] | None = None) -> ExportRow:
+    """The per-kernel check of :func:`export_log`: stale, or re-measured against the default
+    schedule here (CPU), or compared with the default's time measured beside it on the device
+    (``on_device``: workload hash -> us, from :func:`~rlx_tvm.schedules.device_round.commit_round`)."""
+    from .device_round import default_schedule
 
     mod, rec_target = rec.workload.mod, target or rec.target
     if current is not None and not any(tvm_ffi.structural_equal(mod, k) for k in current):
         return ExportRow(_kernel_label(mod), None, None, False, stale=True)
     tuned_us = default_us = None
-    measurable = rec_target.kind.name == "llvm" and rec.run_secs and float(rec.run_secs[0]) < 1e9
-    if compare_default and measurable:
+    ran = bool(rec.run_secs) and float(rec.run_secs[0]) < 1e9
+    if compare_default and ran and rec_target.kind.name == "llvm":
         sch = tvm.s_tir.Schedule(mod)
         rec.trace.apply_to_schedule(sch, remove_postproc=False)
-        with rec_target:  # on a copy: ApplyDefaultSchedule updates the module it is given in place
-            default = tvm.s_tir.dlight.ApplyDefaultSchedule(*default_cpu_rules())(tvm.IRModule({"main": mod["main"]}))
-        tuned_us, default_us = _time_us([sch.mod, default], rec_target)
+        tuned_us, default_us = _time_us([sch.mod, default_schedule(mod, rec_target)], rec_target)
+    elif compare_default and ran and (on_device or {}).get(rec.workload.as_json()[0]) is not None:
+        tuned_us = min(float(s) for s in rec.run_secs) * 1e6
+        default_us = on_device[rec.workload.as_json()[0]]
     return ExportRow(_kernel_label(mod), tuned_us, default_us, tuned_us is None or tuned_us * min_speedup <= default_us)
 
 

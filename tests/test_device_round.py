@@ -1,0 +1,128 @@
+"""Tuning rounds measured on a machine without TVM's compiler (rlx_tvm/schedules/device_round.py):
+candidates searched and built here, timed by the pack's device_time.py with TVM's runtime alone,
+stored back in the MetaSchedule database, exported against the default schedule's time there."""
+
+import json
+import lzma
+import shutil
+import subprocess
+import sys
+
+import pytest
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+from rlx_tvm import cli
+from rlx_tvm.build import lower_with_report
+from rlx_tvm.schedules.device_round import DEFAULT_FUNC, commit_round, device_defaults, make_round
+from rlx_tvm.schedules.suite import suite_ir_module, suite_kernels, suite_module
+from rlx_tvm.schedules.tune import cpu_target, export_log
+
+KERNELS = "relu_backward,layer_norm_backward"
+
+
+def test_cpu_round_trip_measures_stores_and_applies(tmp_path, capsys):
+    """A pack for this CPU with a round: the timer (a separate Python, runtime only) measures each
+    candidate and the default schedule; a candidate whose child process dies is recorded as failed
+    and the rest of its task still runs; `rlx-tvm tune --device-results` stores every measurement as
+    a tuning record and the defaults' times; the exported log applies; a second round's model
+    learns from the first; results of another round are refused."""
+    pack, work, log = tmp_path / "pack", tmp_path / "work", tmp_path / "log"
+    assert cli.main(["device-pack", "--target", "local", "--scale", "small", "--out", str(pack), "--kernels", KERNELS,
+                     "--tuning-round", "3", "--work-dir", str(work)]) == 0
+    assert "tuning round: up to 3 candidates per task" in capsys.readouterr().out
+    rnd = json.loads((pack / "round" / "round.json").read_text())
+    assert json.loads((pack / "spec.json").read_text())["round"]["id"] == rnd["id"]
+    assert rnd["device"] == "cpu" and len(rnd["tasks"]) >= 2
+    for task in rnd["tasks"]:
+        assert (pack / "round" / task["library"]).exists() and task["default"] == DEFAULT_FUNC
+        assert 1 <= len(task["candidates"]) <= 3
+    victim = max(rnd["tasks"], key=lambda t: len(t["candidates"]))
+    assert len(victim["candidates"]) >= 2
+    victim["candidates"][0]["function"] = "not_in_the_library"  # its child process dies on it
+    (pack / "round" / "round.json").write_text(json.dumps(rnd))
+
+    out = tmp_path / "r.json"
+    result = subprocess.run([sys.executable, str(pack / "device_time.py"), "--out", str(out), "--no-torch",
+                             "--repeats", "1", "--min-ms", "1"], cwd=tmp_path, capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "not_in_the_library: failed (process died)" in result.stdout
+    measured = json.loads(out.read_text())["round"]
+    assert measured["id"] == rnd["id"] and len(measured["tasks"]) == len(rnd["tasks"])
+    for task, got in zip(rnd["tasks"], measured["tasks"]):
+        names = [c["function"] for c in task["candidates"]]
+        assert set(got["secs"]) == {DEFAULT_FUNC, *names}
+        assert len(got["secs"][DEFAULT_FUNC]) == 2  # first and last
+        for name in names:
+            if name == "not_in_the_library":
+                assert got["secs"][name] is None
+            else:
+                assert all(0 < s < 1 for s in got["secs"][name])
+
+    assert cli.main(["tune", "--target", "local", "--kernels", KERNELS, "--scale", "small", "--work-dir", str(work),
+                     "--log-dir", str(log), "--device-results", str(out), "--pack", str(pack), "--keep-all"]) == 0
+    text = capsys.readouterr().out
+    n = sum(len(t["candidates"]) for t in rnd["tasks"])
+    assert f"stored {n} measured candidates of {len(rnd['tasks'])} tasks" in text
+    assert "measured on a device" in (log / "TUNING.md").read_text()
+    records = ms.database.JSONDatabase(work_dir=str(work)).get_all_tuning_records()
+    assert len(records) == n
+    stored = sorted(float(r.run_secs[0]) for r in records)
+    sent = sorted(got["secs"][c["function"]][0] if got["secs"][c["function"]] else 1e10
+                  for task, got in zip(rnd["tasks"], measured["tasks"]) for c in task["candidates"])
+    assert stored == pytest.approx(sent)
+    defaults = device_defaults(str(work))
+    assert sorted(defaults.values()) == pytest.approx(
+        sorted(min(got["secs"][DEFAULT_FUNC]) * 1e6 for got in measured["tasks"]))
+    for name in KERNELS.split(","):  # the log (every task's best, --keep-all) applies to each kernel
+        mod = suite_module(suite_kernels([name])[0], "small")
+        report = lower_with_report(mod, cpu_target(), tuning_log=str(log), verbose=False)[1]
+        assert report.tuned and len(report.tuned) == report.kernels, report.note
+
+    again = make_round(suite_ir_module(suite_kernels(KERNELS.split(",")), "small"), cpu_target(), str(work),
+                       str(tmp_path / "round2"), trials=2, progress=print)
+    text = capsys.readouterr().out
+    assert len(again["tasks"]) == len(rnd["tasks"])
+    assert text.count("model trained on") == len(rnd["tasks"]) and "trained on 0 " not in text, text
+
+    with pytest.raises(ValueError, match=f"results are of round 'elsewhere', but .* holds round '{rnd['id']}'"):
+        commit_round(str(pack / "round"), {"id": "elsewhere", "tasks": []}, str(work))
+    with pytest.raises(SystemExit, match="holds no tuning round"):
+        (tmp_path / "plain.json").write_text(json.dumps({"kernels": []}))
+        cli.main(["tune", "--target", "local", "--kernels", KERNELS, "--work-dir", str(work), "--log-dir", str(log),
+                  "--device-results", str(tmp_path / "plain.json"), "--pack", str(pack)])
+
+
+def test_gpu_round_keeps_only_records_that_beat_the_default_on_the_device(tmp_path):
+    """For a GPU target the export cannot time anything here: it keeps a record only when it ran at
+    least 5% faster on the device than the default schedule timed beside it. The same CUDA round,
+    given two sets of device times (made up here: no GPU), gives a log that tunes the kernel and
+    one that leaves it to the default schedule."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: CUDA candidates cannot be built")
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    kernel = suite_kernels(["rms_norm_backward"])[0]
+    mod = suite_ir_module([kernel], "small")
+    rnd = make_round(mod, target, str(tmp_path / "searched"), str(tmp_path / "round"), trials=2, progress=print)
+    assert rnd["device"] == "cuda" and rnd["tasks"]
+    with lzma.open(tmp_path / "round" / rnd["tasks"][0]["library"]) as f:  # a library holding a CUDA module
+        assert b"cuda" in f.read()
+
+    def device_times(ratio):  # every candidate at `ratio` times the default's 100 us
+        return {"id": rnd["id"], "tasks": [
+            {"task": i, "secs": {DEFAULT_FUNC: [100e-6, 101e-6], **{c["function"]: [ratio * 100e-6]
+                                                                      for c in t["candidates"]}}}
+            for i, t in enumerate(rnd["tasks"])]}
+
+    kernels = {"rms_norm_backward (small)": suite_module(kernel, "small")}
+    for ratio, kept in ((0.5, True), (0.97, False)):
+        work, log = tmp_path / f"work{ratio}", tmp_path / f"log{ratio}"
+        summary = commit_round(str(tmp_path / "round"), device_times(ratio), str(work))
+        assert [x for s in summary for x in s[2:]] == pytest.approx([ratio * 100, 100] * len(rnd["tasks"]))
+        export = export_log(str(work), str(log), target, kernels=kernels, verbose=False)
+        assert [x for r in export.rows for x in (r.tuned_us, r.default_us)] == pytest.approx(
+            [ratio * 100, 100] * len(rnd["tasks"]))
+        assert [r.kept for r in export.rows] == [kept] * len(rnd["tasks"])
+        report = lower_with_report(suite_module(kernel, "small"), target, tuning_log=str(log), verbose=False)[1]
+        assert bool(report.tuned) == kept and ("holds no records" in report.note) != kept, report.note
