@@ -213,6 +213,9 @@ def _cmd_device_pack(args: argparse.Namespace) -> int:
         raise SystemExit(str(err)) from None
     size = pack_size(args.out)
     print(f"\n{args.out}: {size / 2**20:.1f} MiB. On the GPU machine: python3 {args.out}/device_time.py --out RESULTS.json")
+    if args.tuning_round:
+        print(f"then here: rlx-tvm tune --target '{args.target}' --device-results RESULTS.json --pack {args.out}"
+              + (f" --work-dir {args.work_dir}" if args.work_dir else ""))
     if size > 60 * 2**20:
         print("warning: over 60 MiB; the lent device machines take 64 MiB with a run (--kernels for fewer)")
     return 0
