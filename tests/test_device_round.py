@@ -67,6 +67,15 @@ def test_cpu_round_trip_measures_stores_and_applies(tmp_path, capsys):
             else:
                 assert all(0 < s < 1 for s in got["secs"][name])
 
+    hung = subprocess.run([sys.executable, str(pack / "device_time.py"), "--out", str(tmp_path / "hung.json"),
+                           "--no-torch", "--kernels", "relu_backward", "--repeats", "1", "--min-ms", "1",
+                           "--candidate-timeout", "0.001"], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=300)
+    assert hung.returncode == 0, hung.stderr[-2000:]
+    assert "default: failed (timed out)" in hung.stdout  # no child reports within 1 ms: each counts as hung
+    assert all(v is None for t in json.loads((tmp_path / "hung.json").read_text())["round"]["tasks"]
+               for v in t["secs"].values())
+
     assert cli.main(["tune", "--target", "local", "--kernels", KERNELS, "--scale", "small", "--work-dir", str(work),
                      "--log-dir", str(log), "--device-results", str(out), "--pack", str(pack), "--keep-all"]) == 0
     text = capsys.readouterr().out
