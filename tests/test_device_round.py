@@ -148,3 +148,19 @@ def test_gpu_round_keeps_only_records_that_beat_the_default_on_the_device(tmp_pa
         assert [r.kept for r in export.rows] == [kept] * len(rnd["tasks"])
         report = lower_with_report(suite_module(kernel, "small"), target, tuning_log=str(log), verbose=False)[1]
         assert bool(report.tuned) == kept and ("holds no records" in report.note) != kept, report.note
+
+
+def test_sparse_tiling_spaces_are_still_searched_on_cuda():
+    """At full shapes most samples of CUDA layer norm dgamma's multi-level-tiling space exceed the
+    shared-memory limit; the search still draws its candidates from that space (with MetaSchedule's
+    default of 50 valid first samples it gave up and fell back to the space without tiling)."""
+    from rlx_tvm.build import lower
+    from rlx_tvm.schedules.device_round import _candidates
+    from rlx_tvm.schedules.tune import tuning_target
+
+    target = tuning_target(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm"))
+    mod = lower(suite_ir_module(suite_kernels(["layer_norm_backward"]), "full"), target, schedule=False)
+    (task,) = [t for t in ms.relax_integration.extract_tasks(mod, target)
+               if t.task_name == "rlx_layer_norm_backward_gamma"]
+    found, how, _ = _candidates(task.dispatched[0], target, task.task_name, 16, ms.database.MemoryDatabase(), 0)
+    assert len(found) >= 8 and how == "", how  # "": the first space, with multi-level tiling

@@ -61,16 +61,14 @@ def _train_on_database(model: ms.cost_model.XGBModel, ctx: ms.TuneContext, recor
 def _candidates(task_mod, target, name: str, trials: int, db, seed: int) -> tuple[list, str, int]:
     """One round of MetaSchedule's evolutionary search: up to ``trials`` new candidates, how they
     were found, and how many measured records the cost model learnt from."""
-    from .tune import _records, _spaces
+    from .tune import _records, _spaces, search_strategy
 
     records = _records(db, task_mod)
     errors = []
     for how, space in _spaces(target):
         try:  # design-space generation fails on some fused kernels with multi-level tiling
             ctx = ms.TuneContext(task_mod, target=target, space_generator=space, task_name=name, rand_state=seed,
-                                 search_strategy=ms.search_strategy.EvolutionarySearch(population_size=128,
-                                                                                       genetic_num_iters=2),
-                                 num_threads=os.cpu_count() or 1)
+                                 search_strategy=search_strategy(), num_threads=os.cpu_count() or 1)
             model = ms.cost_model.XGBModel(num_warmup_samples=16)
             learnt = _train_on_database(model, ctx, records)
             ctx.pre_tuning(max_trials=trials, num_trials_per_iter=trials, database=db, cost_model=model)
