@@ -16,7 +16,10 @@ What stock MetaSchedule trips over here (see TVM_NOTES), and what this module do
   the target's ``num-cores``;
 * GPU targets (CUDA, Metal, Vulkan) need ``max_threads_per_block`` and shared-memory limits that
   plain targets lack: :func:`tuning_target` fills them in. Without a device here candidates are
-  generated and built but not measured; :func:`rpc_runner` measures on remote devices.
+  generated and built but not measured; :func:`rpc_runner` measures on remote devices, and
+  :mod:`rlx_tvm.schedules.device_round` on a machine that no tracker can reach;
+* the evolutionary search gives up on a space whose random samples mostly fail verification
+  (GPU tiling spaces): :func:`search_strategy` asks for fewer valid samples and tries longer.
 
 Records go to MetaSchedule's own ``JSONDatabase`` in ``work_dir``; running again with the same
 ``work_dir`` resumes: tasks that already hold ``trials`` records are skipped, the others continue.
