@@ -131,14 +131,15 @@ def make_round(mod, target, work_dir: str, out_dir: str, trials: int = 32, seed:
     (function name and unmeasured tuning record each). Hand-scheduled kernels (vector code) are
     left out, as :func:`tune` leaves them. Returns what ``round.json`` holds."""
     from ..build import lower
-    from .tune import _hand_scheduled, tuning_target
+    from .tune import _evaluator, _hand_scheduled, tuning_target
 
     target = tuning_target(target)
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(out_dir, exist_ok=True)
     db = database if database is not None else ms.database.JSONDatabase(work_dir=work_dir)
     tasks = ms.relax_integration.extract_tasks(lower(mod, target, schedule=False), target)
-    evaluator = {"number": 1, "repeat": 1, "min_repeat_ms": 50}  # tune._evaluator's
+    config = _evaluator()  # what tune's runners measure with
+    evaluator = {"number": config.number, "repeat": config.repeat, "min_repeat_ms": config.min_repeat_ms}
     device = "cuda" if target.kind.name == "cuda" else "cpu" if target.kind.name == "llvm" else target.kind.name
     out = {"target": str(target), "device": device, "evaluator": evaluator, "tasks": []}
     for i, task in enumerate(tasks):
