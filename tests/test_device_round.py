@@ -113,6 +113,8 @@ def test_cpu_round_trip_measures_stores_and_applies(tmp_path, capsys):
 
     with pytest.raises(ValueError, match=f"results are of round 'elsewhere', but .* holds round '{rnd['id']}'"):
         commit_round(str(pack / "round"), {"id": "elsewhere", "tasks": []}, str(work))
+    with pytest.raises(ValueError, match=f"round {rnd['id']} is already stored in"):  # records would count twice
+        commit_round(str(pack / "round"), measured, str(work))
     with pytest.raises(SystemExit, match="holds no tuning round"):
         (tmp_path / "plain.json").write_text(json.dumps({"kernels": []}))
         cli.main(["tune", "--kernels", KERNELS, "--log-dir", str(log),

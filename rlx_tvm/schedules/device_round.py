@@ -9,11 +9,11 @@ cannot measure on them. A round splits one search step of :func:`tune` in two:
    its best records), builds the candidates it proposes and the task's default schedule into one
    library per task, and writes ``round.json`` beside them (each candidate's tuning record, not
    yet measured);
-2. there, ``device_time.py`` (:func:`measure_task` is its core) times every function of each
-   library with ``time_evaluator``, as MetaSchedule's runner would (same evaluator settings,
-   random floats, zero integers);
+2. there, the pack's ``device_time.py`` times every function of each library with
+   ``time_evaluator``, as MetaSchedule's runner would (same evaluator settings, random floats,
+   zero integers), a child process per task;
 3. here again, :func:`commit_round` stores the measured records in the work database (a
-   MetaSchedule ``JSONDatabase``) and the default schedules' times in ``device_defaults.json``
+   MetaSchedule ``JSONDatabase``) and the default schedules' times in ``device_rounds.json``
    beside it, which :func:`~rlx_tvm.schedules.tune.export_log` uses to keep a record only if it
    beat the default on the device.
 
@@ -30,11 +30,13 @@ import time
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["DEFAULTS_FILE", "ROUND_FILE", "commit_round", "default_schedule", "device_defaults",
+__all__ = ["ROUNDS_FILE", "ROUND_FILE", "commit_round", "default_schedule", "device_defaults",
            "make_round"]
 
 ROUND_FILE = "round.json"
-DEFAULTS_FILE = "device_defaults.json"  # in the work database's directory: workload hash -> default us
+# In the work database's directory: the rounds stored there (ids) and, per workload hash, its
+# default schedule's microseconds on the device.
+ROUNDS_FILE = "device_rounds.json"
 DEFAULT_FUNC = "default"  # the name of the default schedule's function in each task library
 
 
@@ -185,29 +187,36 @@ def make_round(mod, target, work_dir: str, out_dir: str, trials: int = 32, seed:
     return out
 
 
-def device_defaults(work_dir: str) -> dict[str, float]:
-    """Workload hash -> the default schedule's microseconds on the device (from committed rounds)."""
-    path = os.path.join(work_dir, DEFAULTS_FILE)
+def _stored_rounds(work_dir: str) -> dict:
+    path = os.path.join(work_dir, ROUNDS_FILE)
     if not os.path.exists(path):
-        return {}
+        return {"rounds": [], "default_us": {}}
     with open(path) as f:
         return json.load(f)
+
+
+def device_defaults(work_dir: str) -> dict[str, float]:
+    """Workload hash -> the default schedule's microseconds on the device (from stored rounds)."""
+    return _stored_rounds(work_dir)["default_us"]
 
 
 def commit_round(round_dir: str, results: dict, work_dir: str,
                  database: ms.database.Database | None = None) -> list[tuple[str, int, float | None, float | None]]:
     """Store a measured round in ``work_dir``: each measured candidate as a tuning record (one that
     failed on the device as MetaSchedule stores a failed run, 1e10 s), and the default schedules'
-    times in ``device_defaults.json``. ``results`` is the ``"round"`` part of ``device_time.py``'s
-    output. Returns (task, records stored, best us, default us) per task."""
+    times in ``device_rounds.json``; a round is stored once. ``results`` is the ``"round"`` part
+    of ``device_time.py``'s output. Returns (task, records stored, best us, default us) per task."""
     with open(os.path.join(round_dir, ROUND_FILE)) as f:
         rnd = json.load(f)
     if results.get("id") != rnd["id"]:
         raise ValueError(f"commit_round: the results are of round {results.get('id')!r}, "
                          f"but {round_dir} holds round {rnd['id']!r}")
+    stored_rounds = _stored_rounds(work_dir)
+    if rnd["id"] in stored_rounds["rounds"]:
+        raise ValueError(f"commit_round: round {rnd['id']} is already stored in {work_dir}")
     os.makedirs(work_dir, exist_ok=True)
     db = database if database is not None else ms.database.JSONDatabase(work_dir=work_dir)
-    defaults = device_defaults(work_dir)
+    defaults = stored_rounds["default_us"]
     summary = []
     by_index = {r["task"]: r for r in results["tasks"]}
     for i, task in enumerate(rnd["tasks"]):
@@ -233,6 +242,7 @@ def commit_round(round_dir: str, results: dict, work_dir: str,
         if default_us is not None:
             defaults[workload.as_json()[0]] = default_us
         summary.append((task["name"], stored, best, default_us))
-    with open(os.path.join(work_dir, DEFAULTS_FILE), "w") as f:
-        json.dump(defaults, f, indent=1)
+    stored_rounds["rounds"].append(rnd["id"])
+    with open(os.path.join(work_dir, ROUNDS_FILE), "w") as f:
+        json.dump(stored_rounds, f, indent=1)
     return summary
