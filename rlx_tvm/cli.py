@@ -399,8 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="suite shapes (default full, the benchmark's; small: a quick check)")
     tu.add_argument("--device-results", metavar="RESULTS.json",
                     help="instead of searching: store the tuning round that device_time.py measured on a device "
-                         "(its --out file; the pack made with device-pack --tuning-round) in --work-dir, then "
-                         "export the log as usual")
+                         "(its --out file; the pack made with device-pack --tuning-round) in the work database the "
+                         "round was searched with (or --work-dir), for the pack's target, then export the log as usual")
     tu.add_argument("--pack", default="device_pack",
                     help="with --device-results: the device pack the round came from (default device_pack)")
     tu.set_defaults(func=_cmd_tune)

@@ -79,7 +79,8 @@ def build_pack(out_dir: str, target, kernels=None, python_version: str | None = 
     """Build the pack for ``target`` into ``out_dir`` (replaced); returns the spec. With
     ``tuning_round``, also a tuning round of that many candidates per task of the selected kernels
     into ``out_dir/round``, searched with the records of ``work_dir`` (the tuning database of
-    ``rlx-tvm tune``, default ``tuning_work/<target key>``)."""
+    ``rlx-tvm tune``, default ``tuning_work/<target key>``), which starts from ``tuning_log``'s
+    records when it is empty."""
     target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
     device = "cuda" if target.kind.name == "cuda" else "cpu" if target.kind.name == "llvm" else None
     if device is None:
@@ -109,14 +110,15 @@ def build_pack(out_dir: str, target, kernels=None, python_version: str | None = 
         progress(f"[{i + 1}/{len(selected)}] {kernel.name}: {library} "
                  f"({os.path.getsize(os.path.join(out_dir, library)) // 1024} KiB)")
     if tuning_round > 0:
-        from .build import target_key
+        from .build import target_key, tuning_log_for
         from .schedules.device_round import make_round
         from .schedules.suite import suite_ir_module
 
         work_dir = work_dir or os.path.join("tuning_work", target_key(target))
         progress(f"tuning round: up to {tuning_round} candidates per task, searched with the records of {work_dir}")
         rnd = make_round(suite_ir_module(selected, scale), target, work_dir, os.path.join(out_dir, "round"),
-                         trials=tuning_round, progress=progress)
+                         trials=tuning_round, progress=progress,
+                         seed_log=tuning_log_for(target) if tuning_log == "auto" else tuning_log)
         spec["round"] = {"id": rnd["id"], "work_dir": work_dir}
     _copy_runtime(os.path.join(out_dir, "tvm_runtime"), python_version, progress)
     here = os.path.dirname(os.path.abspath(__file__))

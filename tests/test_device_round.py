@@ -111,6 +111,15 @@ def test_cpu_round_trip_measures_stores_and_applies(tmp_path, capsys):
         ran = sum(got["secs"][c["function"]] is not None for c in task["candidates"])
         assert re.search(rf"\] {task['name']}: \d+ candidate\(s\).*, model trained on {ran} measured", text), text
 
+    # a new clone has the committed log but not the git-ignored work database: a round starts from the log
+    make_round(suite_ir_module(suite_kernels(KERNELS.split(",")), "small"), cpu_target(), str(tmp_path / "new"),
+               str(tmp_path / "round3"), trials=2, progress=print, seed_log=str(log))
+    text = capsys.readouterr().out
+    in_log = len(ms.database.JSONDatabase(work_dir=str(log)).get_all_tuning_records())
+    assert f"is empty: starting from the {in_log} records of {log}" in text
+    for task in rnd["tasks"]:  # a record per task in the log (--keep-all), but none that ran for relu
+        assert re.search(rf"\] {task['name']}: .*model trained on {0 if task is broken else 1} measured", text), text
+
     with pytest.raises(ValueError, match=f"results are of round 'elsewhere', but .* holds round '{rnd['id']}'"):
         commit_round(str(pack / "round"), {"id": "elsewhere", "tasks": []}, str(work))
     with pytest.raises(ValueError, match=f"round {rnd['id']} is already stored in"):  # records would count twice

@@ -125,13 +125,27 @@ def _export_compressed(lib: tvm.runtime.Module, path: str) -> None:
             dst.write(src.read())
 
 
+def _seed_from_log(db: ms.database.Database, log_dir: str) -> int:
+    """Copy a committed tuning log's records (each measured on the device, the best of earlier
+    rounds) into an empty work database, so that a round made where the git-ignored work database
+    is not (a new clone) still starts from them. Returns how many."""
+    from ..build import load_tuning_log
+
+    records = load_tuning_log(log_dir).get_all_tuning_records()
+    for rec in records:
+        db.commit_tuning_record(ms.database.TuningRecord(rec.trace, db.commit_workload(rec.workload.mod),
+                                                         rec.run_secs, rec.target, rec.args_info))
+    return len(records)
+
+
 def make_round(mod, target, work_dir: str, out_dir: str, trials: int = 32, seed: int = 0,
-               database: ms.database.Database | None = None, progress=print) -> dict:
+               database: ms.database.Database | None = None, progress=print, seed_log: str | None = None) -> dict:
     """Write a round of up to ``trials`` new candidates per task of ``mod`` (a Relax module, rlx
     ops allowed) into ``out_dir``: ``task_<i>.so.xz`` and ``round.json``, which holds per task its
     name, library, workload (MetaSchedule's JSON), args ([shape, dtype] each) and candidates
     (function name and unmeasured tuning record each). Hand-scheduled kernels (vector code) are
-    left out, as :func:`tune` leaves them. Returns what ``round.json`` holds."""
+    left out, as :func:`tune` leaves them. ``seed_log``: a tuning log whose records an empty work
+    database starts from. Returns what ``round.json`` holds."""
     from ..build import lower
     from .tune import _evaluator, _hand_scheduled, tuning_target
 
@@ -139,6 +153,9 @@ def make_round(mod, target, work_dir: str, out_dir: str, trials: int = 32, seed:
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(out_dir, exist_ok=True)
     db = database if database is not None else ms.database.JSONDatabase(work_dir=work_dir)
+    if seed_log is not None and len(db) == 0:
+        progress(f"the work database {work_dir} is empty: starting from the {_seed_from_log(db, seed_log)} "
+                 f"records of {seed_log}")
     tasks = ms.relax_integration.extract_tasks(lower(mod, target, schedule=False), target)
     config = _evaluator()  # what tune's runners measure with
     evaluator = {"number": config.number, "repeat": config.repeat, "min_repeat_ms": config.min_repeat_ms}
