@@ -483,9 +483,9 @@ def _check_record(rec, target, current, compare_default: bool, min_speedup: floa
         sch = tvm.s_tir.Schedule(mod)
         rec.trace.apply_to_schedule(sch, remove_postproc=False)
         tuned_us, default_us = _time_us([sch.mod, default_schedule(mod, rec_target)], rec_target)
-    elif compare_default and ran and (on_device or {}).get(rec.workload.as_json()[0]) is not None:
-        tuned_us = min(float(s) for s in rec.run_secs) * 1e6
-        default_us = on_device[rec.workload.as_json()[0]]
+    elif compare_default and ran and on_device:
+        default_us = on_device.get(rec.workload.as_json()[0])  # [0]: the workload's structural hash
+        tuned_us = None if default_us is None else min(float(s) for s in rec.run_secs) * 1e6
     return ExportRow(_kernel_label(mod), tuned_us, default_us, tuned_us is None or tuned_us * min_speedup <= default_us)
 
 
