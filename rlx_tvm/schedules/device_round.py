@@ -86,10 +86,9 @@ def _candidates(task_mod, target, name: str, trials: int, db, seed: int) -> tupl
 
 
 def _build(funcs: dict[str, tvm.tirx.PrimFunc], target) -> tvm.runtime.Module:
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+    from .tune import build_candidate  # what tune's builder does with one candidate
 
-    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
-    return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+    return build_candidate(tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()}), target)
 
 
 def _build_task(funcs: dict[str, tvm.tirx.PrimFunc], target) -> tuple[tvm.runtime.Module, dict[str, str]]:
