@@ -286,8 +286,8 @@ def _cpu_kernel(dtype, acc, n, c, size, out_size, stride, dilation, kernel, pads
     memory, 14% of the kernel's samples under ``perf``); with ``llvm`` only (the target's code
     generator is LLVM). Clearing each plane of dx first with ``memset`` (``_llvm.zero_bytes``),
     which claims its cache lines without reading them, was 15% slower than letting the stores
-    read them (znver3, 2 threads): it is not done. Against the kernel this replaced (dy scattered to the winners, a memset'ed plane, 16
-    lanes): 3.4-3.7 ms vs 3.7-4.1 ms at (8, 64, 112, 112), 71-73% vs 57-63% of the copy bandwidth
+    read them (znver3, 2 threads): it is not done. Against the kernel this replaced (dy scattered
+    to the winners, a memset'ed plane, 16 lanes): 3.4-3.7 ms vs 3.7-4.1 ms at (8, 64, 112, 112), 71-73% vs 57-63% of the copy bandwidth
     (znver3, 2 threads); 2.31-2.39 vs 2.49-2.54 ms on znver4 (with 8 lanes; 16 took 2.65).
     Written as TIR, not TE: the frame layout, the per-vector state and the phase-split tables are
     not expressible as TE stages that a schedule could vectorize. NaN inputs never win either (a
