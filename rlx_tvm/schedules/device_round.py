@@ -28,10 +28,10 @@ import os
 import time
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["ROUNDS_FILE", "ROUND_FILE", "commit_round", "default_schedule", "device_defaults",
-           "make_round"]
+__all__ = ["ROUNDS_FILE", "ROUND_FILE", "commit_round", "device_defaults", "make_round", "workload_key"]
 
 ROUND_FILE = "round.json"
 # In the work database's directory: the rounds stored there (ids) and, per workload hash, its
@@ -40,16 +40,10 @@ ROUNDS_FILE = "device_rounds.json"
 DEFAULT_FUNC = "default"  # the name of the default schedule's function in each task library
 
 
-def default_schedule(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """A single-kernel module (``main``) with the schedule ``rlx_tvm.compile`` gives it without a log."""
-    from .cpu import default_cpu_rules
-    from .gpu import schedule_gpu
-
-    mod = tvm.IRModule({"main": mod["main"]})  # a copy: dlight rewrites the module it is given
-    if "gpu" in target.keys:
-        return schedule_gpu(mod, target)[0]
-    with target:
-        return tvm.s_tir.dlight.ApplyDefaultSchedule(*default_cpu_rules())(mod)
+def workload_key(mod: tvm.IRModule) -> str:
+    """The key of a kernel's default time in ``device_rounds.json``: its structural hash (what
+    MetaSchedule's workload JSON also starts with), without serializing the module."""
+    return str(tvm_ffi.structural_hash(mod))
 
 
 def _train_on_database(model: ms.cost_model.XGBModel, ctx: ms.TuneContext, records) -> int:
@@ -146,7 +140,7 @@ def make_round(mod, target, work_dir: str, out_dir: str, trials: int = 32, seed:
     left out, as :func:`tune` leaves them. ``seed_log``: a tuning log whose records an empty work
     database starts from. Returns what ``round.json`` holds."""
     from ..build import lower
-    from .tune import _evaluator, _hand_scheduled, tuning_target
+    from .tune import _evaluator, _hand_scheduled, default_schedule, tuning_target
 
     target = tuning_target(target)
     os.makedirs(work_dir, exist_ok=True)
@@ -256,7 +250,7 @@ def commit_round(round_dir: str, results: dict, work_dir: str,
         default = secs.get(DEFAULT_FUNC)
         default_us = None if not default else min(default) * 1e6
         if default_us is not None:
-            defaults[workload.as_json()[0]] = default_us
+            defaults[workload_key(workload.mod)] = default_us
         summary.append((task["name"], stored, best, default_us))
     stored_rounds["rounds"].append(rnd["id"])
     with open(os.path.join(work_dir, ROUNDS_FILE), "w") as f:

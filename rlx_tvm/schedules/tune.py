@@ -40,8 +40,8 @@ import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["Export", "ExportRow", "ModuleCheck", "TaskResult", "build_candidate", "cpu_target", "export_log",
-           "rpc_runner", "tune", "tuning_target"]
+__all__ = ["Export", "ExportRow", "ModuleCheck", "TaskResult", "build_candidate", "cpu_target", "default_schedule",
+           "export_log", "rpc_runner", "search_strategy", "tune", "tuning_target"]
 
 
 def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
@@ -95,6 +95,18 @@ def _spaces(target: tvm.target.Target) -> list[tuple[str, ms.space_generator.Pos
             sch_rules=rules, postprocs=ms.Postproc.create(kind), mutator_probs=ms.Mutator.create(kind))
 
     return [("", space(True)), (" without multi-level tiling", space(False))]
+
+
+def default_schedule(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """A single-kernel module (``main``) with the schedule ``rlx_tvm.compile`` gives it without a log."""
+    from .cpu import default_cpu_rules
+    from .gpu import schedule_gpu
+
+    mod = tvm.IRModule({"main": mod["main"]})  # a copy: dlight rewrites the module it is given
+    if "gpu" in target.keys:
+        return schedule_gpu(mod, target)[0]
+    with target:
+        return tvm.s_tir.dlight.ApplyDefaultSchedule(*default_cpu_rules())(mod)
 
 
 def search_strategy() -> ms.search_strategy.EvolutionarySearch:
@@ -472,7 +484,7 @@ def _check_record(rec, target, current, compare_default: bool, min_speedup: floa
     """The per-kernel check of :func:`export_log`: stale, or re-measured against the default
     schedule here (CPU), or compared with the default's time measured beside it on the device
     (``on_device``: workload hash -> us, from :func:`~rlx_tvm.schedules.device_round.commit_round`)."""
-    from .device_round import default_schedule
+    from .device_round import workload_key
 
     mod, rec_target = rec.workload.mod, target or rec.target
     if current is not None and not any(tvm_ffi.structural_equal(mod, k) for k in current):
@@ -484,7 +496,7 @@ def _check_record(rec, target, current, compare_default: bool, min_speedup: floa
         rec.trace.apply_to_schedule(sch, remove_postproc=False)
         tuned_us, default_us = _time_us([sch.mod, default_schedule(mod, rec_target)], rec_target)
     elif compare_default and ran and on_device:
-        default_us = on_device.get(rec.workload.as_json()[0])  # [0]: the workload's structural hash
+        default_us = on_device.get(workload_key(mod))
         tuned_us = None if default_us is None else min(float(s) for s in rec.run_secs) * 1e6
     return ExportRow(_kernel_label(mod), tuned_us, default_us, tuned_us is None or tuned_us * min_speedup <= default_us)
 
