@@ -183,7 +183,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
     from . import build
     from .passes import DecomposeBackwardOps
     from .schedules.suite import flops_of, suite_kernels, suite_module
-    from .schedules.tune import cpu_target
+    from .target import cpu_target
     from .testing import as_tensors
 
     torch = None

@@ -11,6 +11,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 
 from .passes import FuseSiblingBackwardOps
+from .target import as_target as _as_target, target_key
 from .schedules import default_cpu_rules
 from .schedules.gpu import schedule_gpu
 from .schedules.prefetch import PrefetchNextRow
@@ -26,27 +27,6 @@ TUNING_LOGS = os.environ.get("RLX_TVM_TUNING_LOGS",
 
 class TuningLogError(ValueError):
     """A tuning log (MetaSchedule JSON database directory) that is missing or cannot be read."""
-
-
-def _as_target(target) -> tvm.target.Target:
-    target = target if isinstance(target, tvm.target.Target) else tvm.target.Target(target)
-    if "gpu" in target.keys and target.host is None:  # device kernels need a host to launch them
-        target = target.with_host(tvm.target.Target("llvm"))
-    return target
-
-
-def target_key(target) -> str:
-    """The name of a target's tuning-log directory: kind, CPU or GPU arch, and core count, e.g.
-    ``llvm-znver4-2c`` or ``cuda-sm_90``. Schedules tuned for one key are not applied to another."""
-    target = _as_target(target)
-    attrs = target.attrs
-    parts = [target.kind.name]
-    for k in ("mcpu", "arch"):
-        if k in attrs and str(attrs[k]):
-            parts.append(str(attrs[k]))
-    if "num-cores" in attrs and int(attrs["num-cores"]) > 0:
-        parts.append(f"{int(attrs['num-cores'])}c")
-    return "-".join(parts)
 
 
 def tuning_log_for(target) -> str | None:

@@ -35,7 +35,7 @@ def _cmd_ops(args: argparse.Namespace) -> int:
 
 
 def _target(arg: str | None):
-    from .schedules.tune import cpu_target
+    from .target import cpu_target
 
     if arg in (None, "local"):
         return cpu_target()
@@ -61,7 +61,8 @@ def _kernel_names(arg: str | None) -> list[str] | None:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from tvm.s_tir import meta_schedule as ms
 
-    from .build import TUNING_LOGS, target_key
+    from .build import TUNING_LOGS
+    from .target import target_key
     from .schedules.suite import suite_kernels, suite_module
     from .schedules.tune import MIN_SPEEDUP, export_log, rpc_runner
 
@@ -124,7 +125,7 @@ def _round_target(args, given):
 
     import tvm
 
-    from .build import target_key
+    from .target import target_key
 
     try:
         with open(os.path.join(args.pack, "spec.json")) as f:

@@ -17,7 +17,7 @@ from rlx_tvm.testing import (
 )
 from rlx_tvm import build
 from rlx_tvm.schedules.common import uses
-from rlx_tvm.schedules.tune import cpu_target
+from rlx_tvm.target import cpu_target
 
 from .helpers import MATRIX, assert_op_error, tensor_var
 

@@ -13,7 +13,7 @@ import tvm
 from tvm import te
 
 from rlx_tvm.ops import _math
-from rlx_tvm.schedules.tune import cpu_target
+from rlx_tvm.target import cpu_target
 
 from .helpers import tensor_var
 

@@ -215,7 +215,7 @@ def test_cpu_scan_along_the_contiguous_axis_is_vectorized():
     whose scan runs a vector at a time (lane shuffles; no serial chain per element): lengths with
     and without a tail, exclusive or not, symbolic rows and length, float32/float64/float16."""
     from rlx_tvm import build
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     lengths = (1, 7, 8, 9, 64, 203)
     for dtype in ("float32", "float64", "float16"):

@@ -244,7 +244,7 @@ def test_cpu_row_kernel_prefetches_the_next_row():
     counts; results unchanged."""
     from rlx_tvm import build
     from rlx_tvm.schedules.prefetch import ANNOTATION, prefetch_next_row
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     cases = [_backward_case(9, 1000, batch=SYMBOLIC_N_BW), _backward_case(3, 520, batch=SYMBOLIC_N_BW)]
     for symbolic in (False, True):
@@ -283,7 +283,7 @@ def test_cpu_kernel_label_on_every_class_and_out_of_range():
     vectors for both, take the TE kernel)."""
     from rlx_tvm import build
     from rlx_tvm.schedules.common import vector_lanes
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     lanes = vector_lanes(cpu_target())
     for c in (44, 48):
@@ -340,7 +340,7 @@ def test_cpu_chunked_kernel_matches_reference():
     label smoothing, per-row and scalar d_loss, int64 and int32 labels, fp32 and fp64, static and
     symbolic rows; and the kernel is the chunked one (no row-sized intermediate)."""
     from rlx_tvm import build
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     target = cpu_target()
     for c in (48, 160, 768, 17, 50, 1000):
@@ -376,7 +376,7 @@ def test_cpu_chunked_kernel_half_precision():
     NaN where the reference has NaN; one and several whole chunks before the short one; the
     result has the input dtype. Whole vectors (48 classes) keep the TE kernel."""
     from rlx_tvm import build
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     target = cpu_target()
     whole = build.lower(build_module([_backward_case(4, 48)], "bfloat16", False), target, tuning_log=None, verbose=False)

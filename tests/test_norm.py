@@ -592,7 +592,7 @@ def test_merged_row_schedule_runs_every_stage_in_one_parallel_loop(symbolic):
     batch too (until 2026-12-05 its layer / RMS norm gradients were separate kernels, one pass
     over memory per stage: 7.2 vs 3.6 ms at 8192 x 768)."""
     from rlx_tvm import build
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
     from rlx_tvm.testing import sibling_groups_module
 
     # (group norm's 12 x 12 planes: whole vectors only over both axes, fused)
@@ -675,7 +675,7 @@ def test_merged_row_schedule_with_a_batch_of_one():
     """Group norm with N = 1: the normalized blocks have no iterator for the unit batch while its
     buffers keep the dim; the stages still merge into one parallel loop over the groups (they
     were left to per-stage schedules, twice as slow), and the results match."""
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
     from rlx_tvm.testing import check_sibling_groups
 
     groups = [group_cases((1, 16, 8, 8), "N=1 G=8", num_groups=8)]
@@ -752,7 +752,7 @@ def test_plain_sum_of_dy_is_computed_with_the_norm_gradients():
     A sum over other axes, or of another tensor, stays a sum of its own."""
     from rlx_tvm import build
     from rlx_tvm.passes import FuseSiblingBackwardOps
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     def module(cases, sum_axes, sum_first, summed="dy"):
         ins = cases[0].inputs | {k: v for c in cases for k, v in c.inputs.items()}

@@ -332,7 +332,7 @@ def test_cpu_kernel_is_one_parallel_loop_over_planes():
     planes with vector loops inside: exact on ties, on -inf input next to padding, on distinct
     values, and on rows of several vectors of windows, full or not (fp32 and fp64)."""
     from rlx_tvm import build
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     attrs = {"kernel_size": 3, "stride": 2, "padding": 1}
     ties = np.round(RNG.standard_normal((2, 3, 32, 32)))
@@ -374,7 +374,7 @@ def test_llvm_intrinsics_only_for_llvm_targets():
     explicit vectors (shuffles) on llvm targets; for the C target (whose code generator has no
     LLVM intrinsics) neither, and no plane is cleared with memset on either."""
     from rlx_tvm import build
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     case = _trap("prefetch", _distinct(1, 2, 8, 40), kernel_size=3, stride=2, padding=1)
     for target, expected in ((cpu_target(), True), (tvm.target.Target("c"), False)):
@@ -392,7 +392,7 @@ def test_cpu_kernel_scalar_and_vector_paths_agree():
     LLVM: k3 s2 p1 on widths with and without a partial last vector, a dilated ceil-mode geometry
     with several windows per element, and float64."""
     from rlx_tvm.ops.pool import _cpu_kernel
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     geometries = [
         (dict(kernel_size=(3, 3), stride=(2, 2), padding=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False), (3, 40)),

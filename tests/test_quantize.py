@@ -378,7 +378,7 @@ def test_whole_tensor_scale_under_the_default_cpu_schedule():
     the whole tensor in parallel parts of vectors (not one serial scalar loop), each estimator
     equal to the SPEC formulas in float32 and float64 (the max is exact in any order)."""
     from rlx_tvm import build
-    from rlx_tvm.schedules.tune import cpu_target
+    from rlx_tvm.target import cpu_target
 
     shape = (128, 1024)
     x, dy = quant_input(shape, 8), RNG.standard_normal(shape)

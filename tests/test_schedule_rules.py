@@ -6,7 +6,7 @@ from tvm import relax
 from tvm.script import ir as I, relax as R
 
 import rlx_tvm
-from rlx_tvm.schedules.tune import cpu_target
+from rlx_tvm.target import cpu_target
 
 
 @I.ir_module

@@ -21,7 +21,7 @@ from .. import autodiff
 from ..build import compile as rlx_compile
 from ..ops import rope, softmax_cross_entropy
 from ..passes import count_rlx_calls
-from ..schedules.tune import cpu_target
+from ..target import cpu_target
 
 
 @dataclass(frozen=True)

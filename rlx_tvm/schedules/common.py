@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
-from tvm.target.codegen import llvm_get_vector_width, target_has_features
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.sym import detect_linear_equation
+
+from ..target import has_avx512, target_cores, vector_bits, vector_lanes, vector_registers  # noqa: F401 (re-exported)
 
 # A block annotation that keeps a stage materialized: MetaSchedule's AutoInline honours it, and
 # so do the default rules (a stage whose inlining would recompute it many times, e.g. attention's
@@ -64,45 +64,6 @@ def root_blocks(sch: s_tir.Schedule) -> list:
         return list(sch.get_child_blocks(sch.get_sblock("root")))
     except s_tir.ScheduleError:
         return []
-
-
-def target_cores(target) -> int:
-    """The cores a CPU target names (``num-cores``), else this machine's CPU count (also for no
-    target)."""
-    cores = target.attrs.get("num-cores") if target is not None else None
-    return int(cores or os.cpu_count() or 1)
-
-
-def _is_x86(target) -> bool:
-    return target is not None and target.kind.name == "llvm" and bool(target_has_features("sse2", target))
-
-
-def vector_bits(target) -> int:
-    """Bits in one vector register of an LLVM CPU target. On x86 from its features: 512 with
-    AVX-512F, 256 with AVX, else 128. (TVM 0.27's ``llvm_get_vector_width`` answers 512 for every
-    x86 CPU, AVX2-only ``znver3`` and ``haswell`` and SSE-only ``x86-64`` included: schedules sized
-    by it gave AVX2 vectors of two registers each, and register-blocked tiles of twice the
-    registers there are.)"""
-    if _is_x86(target):
-        return 512 if has_avx512(target) else 256 if target_has_features("avx", target) else 128
-    return llvm_get_vector_width(target)
-
-
-def has_avx512(target) -> bool:
-    """An LLVM x86 CPU target with AVX-512F."""
-    return _is_x86(target) and bool(target_has_features("avx512f", target))
-
-
-def vector_lanes(target, bits: int = 32) -> int:
-    """Elements of ``bits`` bits in one vector register of an LLVM CPU target (16 float32 with
-    AVX-512, 8 with AVX2; the schedules size their vector loops by float32)."""
-    return max(1, vector_bits(target) // bits)
-
-
-def vector_registers(target) -> int:
-    """Vector registers of an LLVM CPU target: 16 on x86 without AVX-512 (ymm0-15), else 32
-    (AVX-512's zmm0-31, AArch64's v0-31)."""
-    return 16 if _is_x86(target) and not has_avx512(target) else 32
 
 
 def expression_nodes(expr) -> int:

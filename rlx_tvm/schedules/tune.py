@@ -39,16 +39,10 @@ from dataclasses import dataclass
 import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
+from ..target import cpu_target  # noqa: F401 (re-exported: tuning targets are CPU targets with mcpu and cores)
 
 __all__ = ["Export", "ExportRow", "ModuleCheck", "TaskResult", "build_candidate", "cpu_target", "default_schedule",
            "export_log", "rpc_runner", "search_strategy", "tune", "tuning_target"]
-
-
-def cpu_target(num_cores: int | None = None) -> tvm.target.Target:
-    """The local CPU as MetaSchedule wants it: explicit ``mcpu`` (``native`` is rejected) and ``num-cores``."""
-    mcpu = str(tvm.target.Target.from_device("cpu").attrs["mcpu"])
-    cores = num_cores or os.cpu_count() or 1
-    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": cores})
 
 
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None) -> tvm.runtime.Module:
@@ -63,7 +57,7 @@ def tuning_target(target) -> tvm.target.Target:
     """``target`` with what MetaSchedule's GPU rules require filled in: ``max_threads_per_block``
     (from ``max_num_threads``) and ``max_shared_memory_per_block`` (48 KiB CUDA, 32 KiB Metal,
     16 KiB otherwise) when the target does not give them; and a host for device code."""
-    from ..build import _as_target  # adds the llvm host
+    from ..target import as_target as _as_target  # adds the llvm host
 
     target = _as_target(target)
     if "gpu" not in target.keys:
