@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .passes import DecomposeBackwardOps
-from .ops.registry import all_ops
+from .registry import all_ops
 
 __all__ = ["grad", "hvp", "nth_order_grad", "AutodiffError"]
 

@@ -20,6 +20,8 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
+from ..target import has_avx512
+
 
 # --------------------------------------------------------------------------------------------
 # Vectorizable float32 transcendentals for the fused kernels.
@@ -49,18 +51,14 @@ def _scales_in_hardware() -> bool:
     ``vscalefps`` computes p * 2^n (denormal results included) in one instruction: LLVM lowers
     its ``llvm.ldexp`` intrinsic to it, also on vectors. Elsewhere ``llvm.ldexp`` is a scalar libm
     call, so other targets keep the bit-assembled powers of two."""
-    from ..schedules.common import has_avx512  # (schedules import ops: not at module load)
-
     return has_avx512(tvm.target.Target.current(allow_none=True))
 
 
 def _times_pow2_f32(p, n):
     """p * 2^n for an int32 n in [-252, 254]: ``ldexp`` where the target scales in hardware (about 7
-    vector instructions fewer per exp; softmax-CE backward's chunked kernel 4.51 -> 4.09 ms at
-    (2048, 8192), SiLU backward 2.93 -> 2.86, GELU 3.23 -> 3.10 ms, side by side, bit-identical;
-    the old three-pass softmax-CE kernel did not move, which is why the sixth session dropped it),
-    else two multiplications by normal powers of two (so that the result may be a denormal, or
-    p * 2^128 when that is below float32 max)."""
+    vector instructions fewer per exp, bit-identical results), else two multiplications by normal
+    powers of two (so that the result may be a denormal, or p * 2^128 when that is below float32
+    max)."""
     if _scales_in_hardware():
         return tirx.call_llvm_pure_intrin("float32", "llvm.ldexp.f32.i32", p, n)
     h = tirx.shift_right(n, tirx.const(1, "int32"))
@@ -399,8 +397,6 @@ class NumpyMath:
 
 def _np_erf(x):
     """erf in float64 without SciPy (``math.erf`` is correctly rounded; vectorize it)."""
-    import math
-
     return np.vectorize(math.erf, otypes=[np.float64])(np.asarray(x, dtype=np.float64))
 
 

@@ -36,7 +36,8 @@ from tvm import relax, te, tirx
 from tvm.relax.op.grad import no_grad
 from tvm.sym import Analyzer
 
-from ..schedules.common import KEEP_STAGE
+from ..kernels.annotations import KEEP_STAGE
+from ..overrides import fill_gradient
 from ._math import acc_dtype, tensor_dtype, tir_exp, tir_tanh
 from .registry import (Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape, fuse_siblings,
                        static_int)
@@ -744,12 +745,6 @@ def _nn_attention_gradient(orig_var, orig_call, output_grad, ctx):
     return _backward_calls(orig_call, output_grad, attrs)
 
 
-def _register_gradients():
-    from ..gradients import fill_gradient
-
-    fill_gradient(attention.op_name)(_rlx_attention_gradient)
-    fill_gradient("relax.nn.attention")(_nn_attention_gradient)
-    fill_gradient("relax.nn.attention_bias")(_nn_attention_gradient)
-
-
-_register_gradients()
+fill_gradient(attention.op_name)(_rlx_attention_gradient)
+fill_gradient("relax.nn.attention")(_nn_attention_gradient)
+fill_gradient("relax.nn.attention_bias")(_nn_attention_gradient)

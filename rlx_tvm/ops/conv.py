@@ -39,7 +39,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.sym import Analyzer
 
-from ..schedules.common import KEEP_STAGE
+from ..kernels.annotations import KEEP_STAGE
+from ..overrides import override_gradient
 
 from ._math import acc_dtype, tensor_dtype
 from .registry import Attr, check_int, check_int_tuple, define_op, op_error
@@ -514,9 +515,6 @@ conv2d_backward_weight.extra["keep_fused"] = _bwd_weight_keep_fused
 # Gradient of R.nn.conv2d: relax.transform.Gradient emits the two ops above
 # --------------------------------------------------------------------------------------------
 
-GRADIENT_LEVEL = 20
-
-
 def _conv2d_gradient(orig_var, orig_call, output_grad, ctx):
     """d conv2d(x, w) -> (conv2d_backward_input, conv2d_backward_weight) for NCHW/OIHW with
     static spatial dims; anything else keeps TVM's own rule."""
@@ -543,10 +541,4 @@ def _conv2d_gradient(orig_var, orig_call, output_grad, ctx):
     ]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient("relax.nn.conv2d", _conv2d_gradient, GRADIENT_LEVEL)
-
-
-_register_gradients()
+override_gradient("relax.nn.conv2d", _conv2d_gradient)

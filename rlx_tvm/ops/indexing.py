@@ -50,8 +50,9 @@ from tvm import relax, te, tirx
 from tvm.script import tirx as T
 from tvm.sym import Analyzer
 
-from ..schedules.common import target_cores
-from ._llvm import has_llvm_intrinsics, zero_bytes
+from ..kernels.llvm import has_llvm_intrinsics, zero_bytes
+from ..overrides import override_gradient
+from ..target import target_cores
 from ._math import acc_dtype, tensor_dtype
 from .registry import INT_DTYPES, Attr, check_bool, check_int, define_op, fmt_shape, static_int
 
@@ -524,9 +525,6 @@ def _gather_backward_fused(bb, dy, indices, *, axis, dim_size):
 # Gradients of R.cumsum and R.take: relax.transform.Gradient emits the ops above
 # --------------------------------------------------------------------------------------------
 
-GRADIENT_LEVEL = 20
-
-
 def _cumsum_gradient(orig_var, orig_call, output_grad, ctx):
     """d cumsum(x, axis, dtype, exclusive) = cumsum_backward(dy, axis, exclusive); axis None
     scans the flattened x."""
@@ -556,11 +554,5 @@ def _take_gradient(orig_var, orig_call, output_grad, ctx):
     return [gather_backward(output_grad, indices, axis=axis, dim_size=dim_size), no_grad(indices)]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient("relax.cumsum", _cumsum_gradient, GRADIENT_LEVEL)
-    override_gradient("relax.take", _take_gradient, GRADIENT_LEVEL)
-
-
-_register_gradients()
+override_gradient("relax.cumsum", _cumsum_gradient)
+override_gradient("relax.take", _take_gradient)

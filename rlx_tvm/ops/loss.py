@@ -27,8 +27,10 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.script import tirx as T
 
-from ..schedules.common import KEEP_STAGE, vector_lanes
-from ._llvm import has_llvm_intrinsics
+from ..kernels.annotations import KEEP_STAGE
+from ..kernels.llvm import has_llvm_intrinsics
+from ..overrides import override_gradient
+from ..target import vector_lanes
 from ._math import acc_dtype, tensor_dtype, tir_exp_nonpositive
 from .indexing import constant_array
 from .registry import INT_DTYPES, Attr, check_float, check_int, define_op, fmt_shape
@@ -470,9 +472,6 @@ def _cpu_kernel(dtype, acc, label_dtype, n, c: int, lanes: int, chunk_vectors: i
 # Gradient of rlx.softmax_cross_entropy
 # --------------------------------------------------------------------------------------------
 
-GRADIENT_LEVEL = 20
-
-
 def _sce_gradient(orig_var, orig_call, output_grad, ctx):
     from tvm.relax.op.grad import no_grad
 
@@ -481,10 +480,4 @@ def _sce_gradient(orig_var, orig_call, output_grad, ctx):
     return [softmax_cross_entropy_backward(logits, labels, output_grad, **attrs), no_grad(labels)]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient(softmax_cross_entropy.op_name, _sce_gradient, GRADIENT_LEVEL)
-
-
-_register_gradients()
+override_gradient(softmax_cross_entropy.op_name, _sce_gradient)

@@ -33,7 +33,6 @@ normalized extent (and group block) static, since TVM's ``mean`` gradient reads 
 
 from __future__ import annotations
 
-import importlib
 from functools import reduce
 from operator import mul
 
@@ -42,7 +41,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.transform.legalize_ops import nn as _tvm_legalize
 
-from ..schedules.common import KEEP_STAGE
+from ..kernels.annotations import KEEP_STAGE
+from ..overrides import override_gradient, override_legalize
 from ._math import acc_dtype, tensor_dtype
 from .registry import Attr, check_float, check_int, define_op, fmt_shape, fuse_siblings, static_int
 
@@ -962,13 +962,10 @@ _fuse_norm_gradients("group_norm", group_norm_backward_input, group_norm_backwar
 # Legalizations of Relax's own norms: float16/float32/float64, any axes
 # --------------------------------------------------------------------------------------------
 
-# TVM registers its legalizations with ``register_legalize`` = ``register_op_attr(op, "FLegalize",
-# fn)`` at the default level 10; the highest level wins, a lower one is silently ignored and the
-# same level raises.
-LEGALIZE_LEVEL = 20
-# Op attribute recording that this module's dispatcher is registered (persists across reloads
-# and fresh re-imports of the module, unlike any Python global).
-_LEGALIZE_MARK = "rlx_tvm.norm_legalize_level"
+# On by default, replacing TVM 0.27's: its layer norm rejects float64 (which the gradient checks
+# run in) and applies gamma and beta although ``scale``/``center`` say not to. These take the
+# statistics the way the backward ops above do (two passes, accumulated in float32 at least), so
+# a model's forward and its gradient see the same normalization. Other dtypes keep TVM's.
 _LEGALIZED_DTYPES = ("float16", "float32", "float64")
 
 
@@ -1067,41 +1064,14 @@ def _legalize_group_norm(bb, call):
     return _call_te(bb, "group_norm", kernel, x, *params)
 
 
-_LEGALIZATIONS = {
-    "relax.nn.layer_norm": _legalize_layer_norm,
-    "relax.nn.rms_norm": _legalize_rms_norm,
-    "relax.nn.group_norm": _legalize_group_norm,
-}
-
-
-def _dispatch_legalize(bb, call):
-    # The module instance current at call time: after a reload or a fresh re-import the newest
-    # functions run, although TVM keeps the dispatcher registered first.
-    return importlib.import_module(__name__)._LEGALIZATIONS[call.op.name](bb, call)
-
-
-def _register_legalizations():
-    for name in _LEGALIZATIONS:
-        op = tvm.ir.Op.get(name)
-        try:
-            registered = op.get_attr(_LEGALIZE_MARK) is not None
-        except Exception:  # no op has the mark yet
-            registered = False
-        if not registered:
-            tvm.ir.register_op_attr(name, "FLegalize", _dispatch_legalize, level=LEGALIZE_LEVEL)
-            tvm.ir.register_op_attr(name, _LEGALIZE_MARK, LEGALIZE_LEVEL)
-
-
-_register_legalizations()
+override_legalize("relax.nn.layer_norm", _legalize_layer_norm)
+override_legalize("relax.nn.rms_norm", _legalize_rms_norm)
+override_legalize("relax.nn.group_norm", _legalize_group_norm)
 
 
 # --------------------------------------------------------------------------------------------
 # Gradient rules: relax.transform.Gradient emits the ops above for Relax's own norms
 # --------------------------------------------------------------------------------------------
-
-# Above TVM's level 10 (it ships no rule for these ops in 0.27; a later one would not win).
-GRADIENT_LEVEL = 20
-
 
 def _identity(e):
     return e
@@ -1226,12 +1196,6 @@ def _group_norm_gradient(orig_var, orig_call, output_grad, ctx):
     return [dx, dgamma, dbeta]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient("relax.nn.layer_norm", _layer_norm_gradient, GRADIENT_LEVEL)
-    override_gradient("relax.nn.rms_norm", _rms_norm_gradient, GRADIENT_LEVEL)
-    override_gradient("relax.nn.group_norm", _group_norm_gradient, GRADIENT_LEVEL)
-
-
-_register_gradients()
+override_gradient("relax.nn.layer_norm", _layer_norm_gradient)
+override_gradient("relax.nn.rms_norm", _rms_norm_gradient)
+override_gradient("relax.nn.group_norm", _group_norm_gradient)

@@ -38,7 +38,8 @@ from tvm import relax, te, tirx
 from tvm.script import tirx as T
 from tvm.script.ir_builder import tirx as T_builder
 
-from ._llvm import has_llvm_intrinsics, prefetch
+from ..kernels.llvm import has_llvm_intrinsics, prefetch
+from ..overrides import override_gradient
 from ._math import acc_dtype, clamp_index, tensor_dtype
 from .conv import check_pair, check_padding, check_window_fits, same_dim, span, static_dims, window_geometry
 from .registry import Attr, check_bool, check_optional, define_op
@@ -592,9 +593,6 @@ max_pool2d_backward.extra["keep_fused"] = _keep_fused
 # Gradient of R.nn.max_pool2d: relax.transform.Gradient emits max_pool2d_backward
 # --------------------------------------------------------------------------------------------
 
-GRADIENT_LEVEL = 20
-
-
 def _max_pool2d_gradient(orig_var, orig_call, output_grad, ctx):
     """d max_pool2d(x) -> rlx.max_pool2d_backward (NCHW, static spatial dims; anything else keeps
     TVM's rule)."""
@@ -616,10 +614,4 @@ def _max_pool2d_gradient(orig_var, orig_call, output_grad, ctx):
     ]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient("relax.nn.max_pool2d", _max_pool2d_gradient, GRADIENT_LEVEL)
-
-
-_register_gradients()
+override_gradient("relax.nn.max_pool2d", _max_pool2d_gradient)

@@ -86,7 +86,12 @@ import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
+from tvm.relax.op.grad import no_grad
+from tvm.sym import Analyzer
 
+from .. import autodiff
+from ..overrides import override_gradient, set_op_attr
+from ..passes import DecomposeBackwardOps
 from .registry import (
     Attr,
     InferContext,
@@ -465,9 +470,6 @@ def body_vjp(bb, body_gv: relax.GlobalVar, num_xs: int) -> relax.GlobalVar:
     ``vjp(carry, *x_t, *params, ct) -> (loss, (d carry, *d x_t, *d params))``, built by
     :func:`rlx_tvm.autodiff.grad` on ``sum(body(...) * ct)`` after decomposing rlx backward ops in
     the body (so any body made of ops that have gradient rules works)."""
-    from .. import autodiff
-    from ..passes import DecomposeBackwardOps
-
     mod = bb.get()
     tag = f"{body_gv.name_hint}/{num_xs}"
     for g, f in mod.functions.items():  # built already (by an earlier call or gradient rule)
@@ -524,8 +526,6 @@ def _func_type(ctx, name: str) -> relax.FuncType:
 def _bind_signature(ctx, arg: str, what: str, params: Sequence, actual: Sequence[tuple[str, relax.TensorType]]):
     """Match a function's parameter types against the types the scan passes; returns the binding of
     the function's symbolic vars."""
-    from tvm.sym import Analyzer
-
     an = Analyzer()
     bound: dict = {}
     for i, (pty, (label, aty)) in enumerate(zip(params, actual)):
@@ -746,8 +746,6 @@ def _primitive(bb, gv: relax.GlobalVar) -> relax.Function:
     """``gv``'s function with its rlx backward ops decomposed: what the unrolled decompositions
     inline, so they never emit rlx backward ops themselves (the module's own body/VJP keep their
     fused ops for the loop lowering)."""
-    from ..passes import DecomposeBackwardOps
-
     func = bb.get()[gv]
     key = tvm_ffi.structural_hash(func)
     hit = _PRIMITIVE_CACHE.get(key)
@@ -1248,13 +1246,7 @@ def _declare(name: str, inputs, attrs, backward: bool, doc: str) -> _ScanOpDef:
     # LegalizeOps skips calls whose arguments' shapes are not all known; the body/vjp GlobalVar
     # arguments have function types, so opt out of that check (the tensors' shapes are checked by
     # type inference).
-    op = opdef.op
-    try:
-        current = op.get_attr("RequiresArgumentShapes")
-    except Exception:  # no op has the attribute yet
-        current = None
-    if current is None:
-        tvm.ir.register_op_attr(op.name, "RequiresArgumentShapes", False)
+    set_op_attr(opdef.op.name, "RequiresArgumentShapes", False)
     return opdef
 
 
@@ -1292,12 +1284,7 @@ for _op, _which in ((scan_backward, "init"), (scan_backward_xs, "xs"), (scan_bac
 # Gradient rule: relax.transform.Gradient emits the backward ops
 # --------------------------------------------------------------------------------------------
 
-GRADIENT_LEVEL = 20
-
-
 def _scan_gradient(orig_var, orig_call, output_grad, ctx):
-    from tvm.relax.op.grad import no_grad
-
     parts, attrs = scan.decode(orig_call)
     fwd_attrs = {k: v for k, v in attrs.items() if v is not None}
     if attrs["save_trajectory"]:
@@ -1312,11 +1299,5 @@ def _scan_gradient(orig_var, orig_call, output_grad, ctx):
     return grads
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient("relax.rlx.scan", _scan_gradient, GRADIENT_LEVEL)
-
-
-_register_gradients()
+override_gradient("relax.rlx.scan", _scan_gradient)
 
