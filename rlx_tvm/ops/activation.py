@@ -14,8 +14,9 @@ from typing import Callable
 import numpy as np
 from tvm import relax, te, tirx
 
+from ..kernels.common import acc_dtype, tensor_dtype
 from ..overrides import override_gradient
-from ._math import NumpyMath, RelaxMath, TirMath, _np_erf, acc_dtype, tensor_dtype
+from ._math import NumpyMath, RelaxMath, TirMath, _np_erf
 from .registry import Attr, check_choice, define_op
 
 _SQRT_HALF = math.sqrt(0.5)

@@ -37,8 +37,9 @@ from tvm.relax.op.grad import no_grad
 from tvm.sym import Analyzer
 
 from ..kernels.annotations import KEEP_STAGE
+from ..kernels.common import acc_dtype, tensor_dtype
+from ..kernels.fastmath import tir_exp, tir_tanh
 from ..overrides import fill_gradient
-from ._math import acc_dtype, tensor_dtype, tir_exp, tir_tanh
 from .registry import (Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape, fuse_siblings,
                        static_int)
 

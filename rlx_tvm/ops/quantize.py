@@ -33,8 +33,9 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax, te, tirx
 
+from ..kernels.common import acc_dtype, tensor_dtype
 from ..overrides import override_gradient
-from ._math import NumpyMath, RelaxMath, TirMath, acc_dtype, tensor_dtype
+from ._math import NumpyMath, RelaxMath, TirMath
 from .registry import Attr, check_choice, check_int, check_optional, define_op, op_error
 
 BITS = (2, 4, 8)

@@ -24,8 +24,8 @@ import numpy as np
 from tvm import relax, te, tirx
 from tvm.sym import Analyzer
 
+from ..kernels.common import acc_dtype, tensor_dtype
 from ..overrides import override_gradient
-from ._math import acc_dtype, tensor_dtype
 from .registry import Attr, check_choice, check_int, check_optional, define_op, op_error, static_int
 
 STYLES = ("neox", "gptj")

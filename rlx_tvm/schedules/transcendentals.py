@@ -20,7 +20,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from ..ops._math import erf_f32, exp_f32, tanh_f32, tir_sigmoid
+from ..kernels.fastmath import erf_f32, exp_f32, tanh_f32, tir_sigmoid
 from .common import expression_nodes
 
 __all__ = ["VectorizableTranscendentals", "vectorizable_transcendentals"]

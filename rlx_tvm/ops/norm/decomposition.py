@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from .._math import acc_dtype, tensor_dtype
+from ...kernels.common import acc_dtype, tensor_dtype
 from .common import cast, shape_of
 
 _op = relax.op

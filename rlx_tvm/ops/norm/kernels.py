@@ -15,8 +15,8 @@ import tvm
 from tvm import te, tirx
 
 from ...kernels.annotations import KEEP_STAGE
-from ...registry import static_int
-from .._math import acc_dtype, tensor_dtype
+from ...kernels.common import acc_dtype, tensor_dtype
+from ..registry import static_int
 
 
 class Rows:

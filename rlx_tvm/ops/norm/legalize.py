@@ -6,8 +6,8 @@ from __future__ import annotations
 from tvm import te
 from tvm.relax.transform.legalize_ops import nn as _tvm_legalize
 
+from ...kernels.common import acc_dtype, tensor_dtype
 from ...overrides import override_legalize
-from .._math import acc_dtype, tensor_dtype
 from .common import attr_axes
 from .kernels import Groups, Rows, call_te, loader, te_layer_stats, te_rms_r
 

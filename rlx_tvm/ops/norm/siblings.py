@@ -9,7 +9,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .._math import acc_dtype, tensor_dtype
+from ...kernels.common import acc_dtype, tensor_dtype
 from ..registry import fuse_siblings, static_int
 from .common import cast
 from .declarations import (group_norm_backward_beta, group_norm_backward_gamma, group_norm_backward_input,
