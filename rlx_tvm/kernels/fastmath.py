@@ -54,9 +54,8 @@ def _times_pow2_f32(p, n):
 def _is_nan_f32(x):
     """x is NaN, from its bits: exponent all ones, mantissa not 0. Not tirx.isnan: with it, TVM
     0.27's vectorizer turned the exp loop of causal attention backward (a vector loop right inside
-    the parallel loop) back into a scalar one: 33.0-37.7 -> 27.7-28.2 ms at B4 S512 H8 D64 with
-    this; nor x != x, which TVM's simplifier folds to false. (The test also moves off the float
-    pipes: SiLU backward, vector code either way, 2.6-3.1 -> 2.3-2.8 ms.) Unsigned: the same
+    the parallel loop) back into a scalar one; nor x != x, which TVM's simplifier folds to false.
+    (The test also moves off the float pipes.) Unsigned: the same
     test on int32 bits failed LLVM's verifier in some unscheduled attention kernels."""
     magnitude = tirx.bitwise_and(tirx.reinterpret("uint32", x), tirx.const(0x7FFFFFFF, "uint32"))
     return magnitude > tirx.const(0x7F800000, "uint32")
@@ -116,9 +115,8 @@ def _exp_nonpositive_in_range_f32(xc, nan_possible: bool = False):
     floor, float-to-int conversion, clamp and two multiplications by assembled powers of two
     replaced by the rounding shifter, one integer add of n to the exponent bits of the (scaled)
     polynomial and one multiplication: AVX2 has no ``vscalefps``, and these are the vector pipes
-    the exponential is bound by (Zen 3, two threads, in one process, interleaved, outputs the same
-    bit for bit: softmax-CE backward at (2048, 8192) 6.94 -> 5.49 ms, GELU backward at 8M
-    elements 5.57 -> 4.77, SiLU 3.79 -> 3.41). Denormal results are rounded once,
+    the exponential is bound by (the outputs are the same bit for bit). Denormal results are
+    rounded once,
     as by the two multiplications. ``nan_possible``: a NaN xc must give NaN, which the integer add
     to a NaN's bits need not keep: ``r - r`` (0, or NaN) is added in the final multiply-add."""
     def opaque(v):  # the same value, where TVM's simplifier cannot fold (v + c) - c or v - v
