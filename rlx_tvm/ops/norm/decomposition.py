@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvm import relax
 
 from ...kernels.common import acc_dtype, tensor_dtype
-from .common import cast, shape_of
+from .common import cast, normalized_dx, rms_norm_dx, shape_of
 
 _op = relax.op
 
@@ -43,11 +43,6 @@ def _relax_layer_stats(x, axes, eps, dtype):
     return xc * r, r
 
 
-def _relax_normalized_dx(r, xh, g, axes):
-    """r * (g - mean(g) - xh * mean(g * xh)): the backward of (x - mean) * r."""
-    return r * (g - _relax_mean(g, axes) - xh * _relax_mean(g * xh, axes))
-
-
 def _relax_group_stats(x, shape, groups, eps, dtype):
     """x of ``shape`` [N, C, *sp] -> (grouped shape [N, G, C/G, *sp], xh and r on it, the block
     axes). The shape is passed in: a cast ``x`` is a nested expression without a type yet."""
@@ -65,7 +60,7 @@ def layer_norm_input(bb, x, gamma, dy, *, axis, eps):
     x, gamma, dy = (cast(t, dtype, acc) for t in (x, gamma, dy))
     xh, r = _relax_layer_stats(x, [a], eps, acc)
     g = dy * _relax_along(gamma, shape, a)
-    return cast(_relax_normalized_dx(r, xh, g, [a]), acc, dtype)
+    return cast(normalized_dx(r, xh, g, lambda e: _relax_mean(e, [a])), acc, dtype)
 
 
 def layer_norm_gamma(bb, x, dy, *, axis, eps):
@@ -86,7 +81,7 @@ def rms_norm_input(bb, x, gamma, beta, dy, *, axis, eps):
     x, gamma, dy = (cast(t, dtype, acc) for t in (x, gamma, dy))
     r = _relax_rstd(_relax_mean(x * x, [a]), eps, acc)
     gdy = dy * _relax_along(gamma, shape, a)
-    return cast(r * (gdy - r * r * x * _relax_mean(x * gdy, [a])), acc, dtype)
+    return cast(rms_norm_dx(r, x, gdy, lambda e: _relax_mean(e, [a])), acc, dtype)
 
 
 def rms_norm_gamma(bb, x, gamma, beta, dy, *, axis, eps):
@@ -113,7 +108,7 @@ def group_norm_input(bb, x, gamma, beta, dy, *, num_groups, eps):
     x, gamma, dy = (cast(t, dtype, acc) for t in (x, gamma, dy))
     grouped, xh, r, axes = _relax_group_stats(x, shape, num_groups, eps, acc)
     s = _op.reshape(dy * _relax_along(gamma, shape, 1), grouped)
-    return cast(_op.reshape(_relax_normalized_dx(r, xh, s, axes), shape), acc, dtype)
+    return cast(_op.reshape(normalized_dx(r, xh, s, lambda e: _relax_mean(e, axes)), shape), acc, dtype)
 
 
 def group_norm_gamma(bb, x, dy, *, num_groups, eps):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import GROUP_EPS, LAYER_EPS, RMS_EPS
+from .common import GROUP_EPS, LAYER_EPS, RMS_EPS, normalized_dx, rms_norm_dx
 
 
 def _np(*arrays):
@@ -44,7 +44,7 @@ def layer_norm_input(x, gamma, dy, *, axis=-1, eps=LAYER_EPS):
     x, gamma, dy = _np(x, gamma, dy)
     xh, r = _np_layer_stats(x, axis, eps)
     g = dy * _np_along(gamma, axis, x.ndim)
-    return r * (g - g.mean(axis=axis, keepdims=True) - xh * (g * xh).mean(axis=axis, keepdims=True))
+    return normalized_dx(r, xh, g, lambda a: a.mean(axis=axis, keepdims=True))
 
 
 def layer_norm_gamma(x, dy, *, axis=-1, eps=LAYER_EPS):
@@ -57,7 +57,7 @@ def rms_norm_input(x, gamma, beta, dy, *, axis=-1, eps=RMS_EPS):
     x, gamma, dy = _np(x, gamma, dy)
     r = _np_rms_r(x, axis, eps)
     gdy = dy * _np_along(gamma, axis, x.ndim)
-    return r * (gdy - r * r * x * (x * gdy).mean(axis=axis, keepdims=True))
+    return rms_norm_dx(r, x, gdy, lambda a: a.mean(axis=axis, keepdims=True))
 
 
 def rms_norm_gamma(x, gamma, beta, dy, *, axis=-1, eps=RMS_EPS):
@@ -76,7 +76,7 @@ def group_norm_input(x, gamma, beta, dy, *, num_groups, eps=GROUP_EPS):
     xg, axes = _np_grouped(x, num_groups)
     sg, _ = _np_grouped(s, num_groups)
     xh, r = _np_layer_stats(xg, axes, eps)
-    dx = r * (sg - sg.mean(axis=axes, keepdims=True) - xh * (sg * xh).mean(axis=axes, keepdims=True))
+    dx = normalized_dx(r, xh, sg, lambda a: a.mean(axis=axes, keepdims=True))
     return dx.reshape(x.shape)
 
 
