@@ -4,8 +4,8 @@
 of the ``relax.rlx.*`` ops it declares (:mod:`rlx_tvm.registry`), gradient rules
 (``FPrimalGradient``) of Relax's own ops (the op families' rules, ``relu`` and the other
 activations among them, and :mod:`rlx_tvm.gradients`), and the forward legalization of
-``relax.nn.layer_norm``, ``rms_norm`` and ``group_norm`` (:mod:`rlx_tvm.ops.norm`, see
-:func:`override_legalize`).
+``relax.nn.layer_norm``, ``rms_norm`` and ``group_norm`` (:mod:`rlx_tvm.ops.norm.legalize` says
+why it is on).
 
 TVM keeps one value per (op, attribute) and level: the highest level wins, a lower one is ignored
 and a second registration at the same level raises. So :func:`set_op_attr` registers each

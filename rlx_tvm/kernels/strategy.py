@@ -14,7 +14,7 @@ from typing import Callable
 
 import tvm
 
-__all__ = ["anywhere", "build", "current_target", "on_cpu", "on_gpu", "on_llvm", "register", "strategies"]
+__all__ = ["anywhere", "build", "current_target", "on_cpu", "on_gpu", "register", "strategies"]
 
 Predicate = Callable[["tvm.target.Target | None"], bool]
 
@@ -32,11 +32,6 @@ def on_gpu(target) -> bool:
 def on_cpu(target) -> bool:
     """Not a GPU target: a CPU one, or none (legalizing for the host)."""
     return not on_gpu(target)
-
-
-def on_llvm(target) -> bool:
-    """A CPU target whose code generator is LLVM, or none (the host, LLVM)."""
-    return target is None or target.kind.name == "llvm"
 
 
 def anywhere(target) -> bool:
