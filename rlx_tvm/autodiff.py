@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .passes import DecomposeBackwardOps
-from .ops.registry import all_ops
+from .registry import all_ops
 
 __all__ = ["grad", "hvp", "nth_order_grad", "AutodiffError"]
 
@@ -196,7 +196,7 @@ def _private(f: relax.Function) -> relax.Function:
 
 
 def _finish(mod: tvm.IRModule, helpers: Sequence[str]) -> tvm.IRModule:
-    """Make the helper levels private, inline them into the public entry points, drop the rest."""
+    """Make the intermediate levels private, inline them into the public entry points, drop the rest."""
     present = {gv.name_hint: gv for gv in mod.get_global_vars()}
     for name in helpers:
         if name in present:  # earlier levels may already be inlined

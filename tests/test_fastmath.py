@@ -12,7 +12,7 @@ import pytest
 import tvm
 from tvm import te
 
-from rlx_tvm.ops import _math
+from rlx_tvm.kernels import fastmath as _math
 from rlx_tvm.target import cpu_target
 
 from .helpers import tensor_var

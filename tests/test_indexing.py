@@ -124,7 +124,7 @@ def test_gpu_form_of_gather_matches_reference(dtype, symbolic):
 def test_gpu_form_of_gather_blocks_rows_and_skips_bad_indices():
     """Blocks of several rows with a short last block (1000 rows in blocks of 24), two outer
     slices, duplicates, negative and out-of-range indices, in the GPU form built for the CPU."""
-    from rlx_tvm.ops.indexing import scatter_add_kernel
+    from rlx_tvm.kernels.cpu.indexing import scatter_add_kernel
 
     rng = np.random.default_rng(3)
     outer, n_idx, inner, dim = 2, 300, 768, 1000
@@ -146,7 +146,7 @@ def test_cpu_form_of_gather_clears_every_row_in_parts():
     """The CPU form's output cleared by memset in parts of whole rows (one per core): parts that
     do not divide the rows (7 rows in 3 parts: 3 + 3 + 1), more parts than rows, two outer slices,
     into an output that held NaN before; duplicate, negative and out-of-range indices."""
-    from rlx_tvm.ops.indexing import scatter_add_kernel
+    from rlx_tvm.kernels.cpu.indexing import scatter_add_kernel
 
     rng = np.random.default_rng(4)
     for dtype, (outer, n_idx, inner, dim), parts in [("float32", (2, 40, 96, 7), 3), ("float64", (1, 9, 8, 2), 5),

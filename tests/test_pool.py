@@ -391,7 +391,7 @@ def test_cpu_kernel_scalar_and_vector_paths_agree():
     width it is built with, and 16, a width it accepts) against the reference, all compiled with
     LLVM: k3 s2 p1 on widths with and without a partial last vector, a dilated ceil-mode geometry
     with several windows per element, and float64."""
-    from rlx_tvm.ops.pool import _cpu_kernel
+    from rlx_tvm.kernels.cpu.pool import plane_kernel as _cpu_kernel
     from rlx_tvm.target import cpu_target
 
     geometries = [

@@ -2,11 +2,11 @@
 
 The decompositions in :mod:`rlx_tvm.ops` only emit primitives with a registered gradient, so that
 ``relax.transform.Gradient`` can run on a decomposed backward graph (second and higher order).
-Each rule is registered with :func:`fill_gradient`, only if the op has no gradient yet, so a
-future TVM that ships its own keeps it.
+Each rule is registered with :func:`rlx_tvm.overrides.fill_gradient`, only if the op has no
+gradient of TVM's own, so a future TVM that ships one keeps it.
 """
 
-from ._register import fill_gradient, has_gradient, override_gradient
+from ..overrides import fill_gradient, has_gradient, override_gradient
 from . import attention, elementwise, nn, reduce, scatter, shape  # noqa: F401  (registration on import)
 
 __all__ = ["fill_gradient", "has_gradient", "override_gradient"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tvm.relax.op.grad import no_grad
 
-from ._register import fill_gradient
+from ..overrides import fill_gradient
 
 
 @fill_gradient("relax.arange")

@@ -7,7 +7,7 @@ import math
 from tvm import relax
 from tvm.relax.op.grad import no_grad
 
-from ._register import fill_gradient
+from ..overrides import fill_gradient
 
 
 def _dtype(expr) -> str:

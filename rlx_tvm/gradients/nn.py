@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tvm import relax, tirx
 
-from ._register import fill_gradient
+from ..ops.conv import conv2d_backward_weight
+from ..overrides import fill_gradient
 
 
 @fill_gradient("relax.nn.conv2d_transpose")
@@ -19,8 +20,6 @@ def _conv2d_transpose_grad(orig_var, orig_call, output_grad, ctx):
       of the conv input and x in the role of its output gradient (``rlx.conv2d_backward_weight``).
 
     NCHW data and IOHW kernel only (the layouts TVM can legalize)."""
-    from ..ops.conv import conv2d_backward_weight
-
     attrs = orig_call.attrs
     layouts = (attrs.data_layout, attrs.kernel_layout, attrs.out_layout)
     if layouts != ("NCHW", "IOHW", "NCHW"):

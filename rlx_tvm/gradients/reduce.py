@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from ._register import fill_gradient
+from ..overrides import fill_gradient
 
 
 def _extremum_grad(orig_var, orig_call, output_grad, ctx):

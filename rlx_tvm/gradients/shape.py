@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from ._register import fill_gradient
+from ..overrides import fill_gradient
 
 
 @fill_gradient("relax.squeeze")

@@ -14,7 +14,9 @@ from typing import Callable
 import numpy as np
 from tvm import relax, te, tirx
 
-from ._math import NumpyMath, RelaxMath, TirMath, _np_erf, acc_dtype, tensor_dtype
+from ..kernels.common import acc_dtype, tensor_dtype
+from ..overrides import override_gradient
+from ._math import NumpyMath, RelaxMath, TirMath, _np_erf
 from .registry import Attr, check_choice, define_op
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -286,7 +288,6 @@ RELAX_ACTIVATIONS = {
     "relax.ceil": "ceil",
     "relax.sign": "sign",
 }
-GRADIENT_LEVEL = 20
 
 
 def _activation_gradient(kind: str):
@@ -313,12 +314,6 @@ def _softplus_gradient(orig_var, orig_call, output_grad, ctx):
     return [relax.op.multiply(output_grad, slope)]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    for op_name, kind in RELAX_ACTIVATIONS.items():
-        override_gradient(op_name, _activation_gradient(kind), GRADIENT_LEVEL)
-    override_gradient("relax.nn.softplus", _softplus_gradient, GRADIENT_LEVEL)
-
-
-_register_gradients()
+for _name, _kind in RELAX_ACTIVATIONS.items():
+    override_gradient(_name, _activation_gradient(_kind))
+override_gradient("relax.nn.softplus", _softplus_gradient)

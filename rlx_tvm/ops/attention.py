@@ -36,8 +36,10 @@ from tvm import relax, te, tirx
 from tvm.relax.op.grad import no_grad
 from tvm.sym import Analyzer
 
-from ..schedules.common import KEEP_STAGE
-from ._math import acc_dtype, tensor_dtype, tir_exp, tir_tanh
+from ..kernels.annotations import KEEP_STAGE
+from ..kernels.common import acc_dtype, tensor_dtype
+from ..kernels.fastmath import tir_exp, tir_tanh
+from ..overrides import fill_gradient
 from .registry import (Attr, OpError, check_choice, check_float, check_int, define_op, fmt_shape, fuse_siblings,
                        static_int)
 
@@ -633,9 +635,8 @@ def _attention_backward_together(bb, members):
 
 
 # Tiles of scores per kernel call, in bytes: a few (batch, head) pairs' [Sq, Sk] float32 tiles, so
-# that each stage's tiles stay in cache for the next stage (the kernel keeps four such tiles).
-# Measured at S = 512 (1 MiB a tile): 2.2 ms per pair with all 32 pairs of B4 H8 in one call,
-# 1.15 ms with 2 pairs per call, 1.26 ms with 1.
+# that each stage's tiles stay in cache for the next stage (the kernel keeps four such tiles);
+# all pairs in one call run about twice as slow per pair as two pairs per call.
 CHUNK_TILE_BYTES = 2 << 20
 MAX_CHUNKS = 64  # more pairs per call rather than more calls
 
@@ -662,8 +663,8 @@ def _head_chunks(q, k) -> list[tuple[int, int, int]] | None:
 
 # Query rows per kernel call of a causal attention: a block of rows needs only the keys up to its
 # last row's (and from its first row's window start), so the fully masked tiles beyond are never
-# computed. At S = 512 two blocks compute 3 of 4 (row, key) tiles: B4 S512 H8 D64 backward 40-48
-# -> 35-37 ms (2 threads; 128 rows, 10 of 16 tiles, was no faster: narrower calls run slower).
+# computed. At S = 512 two blocks compute 3 of 4 (row, key) tiles (blocks of 128 rows, 10 of 16
+# tiles, are no faster: narrower calls run slower).
 ROW_BLOCK = 256
 
 
@@ -744,12 +745,6 @@ def _nn_attention_gradient(orig_var, orig_call, output_grad, ctx):
     return _backward_calls(orig_call, output_grad, attrs)
 
 
-def _register_gradients():
-    from ..gradients import fill_gradient
-
-    fill_gradient(attention.op_name)(_rlx_attention_gradient)
-    fill_gradient("relax.nn.attention")(_nn_attention_gradient)
-    fill_gradient("relax.nn.attention_bias")(_nn_attention_gradient)
-
-
-_register_gradients()
+fill_gradient(attention.op_name)(_rlx_attention_gradient)
+fill_gradient("relax.nn.attention")(_nn_attention_gradient)
+fill_gradient("relax.nn.attention_bias")(_nn_attention_gradient)

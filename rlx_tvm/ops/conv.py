@@ -35,13 +35,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import tvm
 from tvm import relax, te, tirx
 from tvm.sym import Analyzer
 
-from ..schedules.common import KEEP_STAGE
+from ..kernels import strategy
+from ..kernels.annotations import KEEP_STAGE
+from ..kernels.common import acc_dtype, tensor_dtype
+from ..overrides import override_gradient
 
-from ._math import acc_dtype, tensor_dtype
 from .registry import Attr, check_int, check_int_tuple, define_op, op_error
 
 # --------------------------------------------------------------------------------------------
@@ -225,13 +226,12 @@ def _bwd_input_decompose(bb, dy, w, *, input_size, stride, padding, dilation, gr
 def _bwd_input_fused(bb, dy, w, *, input_size, stride, padding, dilation, groups):
     """Stride and dilation 1 on CPU: a direct convolution of the zero-padded dy with the flipped
     kernel (``_bwd_input_direct``); otherwise, and on GPUs, the gather form below."""
-    if _cpu_unit_stride(stride, dilation):
-        return _bwd_input_direct(bb, dy, w, input_size=input_size, padding=padding, groups=groups)
-    return _bwd_input_gather(bb, dy, w, input_size=input_size, stride=stride, padding=padding, dilation=dilation,
-                             groups=groups)
+    return strategy.build(conv2d_backward_input.name, bb, dy, w, input_size=input_size, stride=stride, padding=padding,
+                          dilation=dilation, groups=groups)
 
 
-def _bwd_input_direct(bb, dy, w, *, input_size, padding, groups):
+@strategy.register("conv2d_backward_input", "direct", strategy.on_cpu)
+def _bwd_input_direct(target, bb, dy, w, *, input_size, stride, padding, dilation, groups):
     """Stride 1, dilation 1: output row oy reads input row y = oy - pt + i, so with dy padded by
     (kh - 1 - pt) rows on top (zero outside dy) and the taps flipped,
 
@@ -239,6 +239,8 @@ def _bwd_input_direct(bb, dy, w, *, input_size, padding, groups):
 
     a plain correlation: x is contiguous in dx and in dy_pad and w does not depend on it, which
     the default CPU schedule turns into register-blocked vector FMAs (rows of ci share dy_pad)."""
+    if not _unit_stride(stride, dilation):
+        return None
     dtype = tensor_dtype(dy)
     acc = acc_dtype(dtype)
     pt, pl, _, _ = padding
@@ -274,7 +276,8 @@ def _bwd_input_direct(bb, dy, w, *, input_size, padding, groups):
     return bb.call_te(kernel, dy, w, primfunc_name_hint="rlx_conv2d_backward_input")
 
 
-def _bwd_input_gather(bb, dy, w, *, input_size, stride, padding, dilation, groups):
+@strategy.register("conv2d_backward_input", "gather", strategy.anywhere)
+def _bwd_input_gather(target, bb, dy, w, *, input_size, stride, padding, dilation, groups):
     dtype = tensor_dtype(dy)
     acc = acc_dtype(dtype)
     (sh, sw), (dh, dw) = stride, dilation
@@ -418,24 +421,21 @@ def _bwd_weight_decompose(bb, x, dy, *, kernel_size, stride, padding, dilation, 
     return _cast(relax.op.permute_dims(dwt, [1, 0, 2, 3]), acc, dtype)
 
 
-def _cpu_unit_stride(stride, dilation) -> bool:
-    """Stride and dilation 1, legalizing for a CPU: where the direct (correlation) forms apply."""
-    target = tvm.target.Target.current(allow_none=True)
-    unit = tuple(map(int, stride)) == (1, 1) and tuple(map(int, dilation)) == (1, 1)
-    return unit and not (target is not None and "gpu" in target.keys)
+def _unit_stride(stride, dilation) -> bool:
+    """Stride and dilation 1: where the direct (correlation) forms apply."""
+    return tuple(map(int, stride)) == (1, 1) and tuple(map(int, dilation)) == (1, 1)
 
 
 @conv2d_backward_weight.fused
 def _bwd_weight_fused(bb, x, dy, *, kernel_size, stride, padding, dilation, groups):
     """Stride and dilation 1 on CPU: a product over (n, ho, wo) against a channels-last copy of
     the padded x (``_bwd_weight_direct``); otherwise, and on GPUs, the gather form below."""
-    if _cpu_unit_stride(stride, dilation):
-        return _bwd_weight_direct(bb, x, dy, kernel_size=kernel_size, padding=padding, groups=groups)
-    return _bwd_weight_gather(bb, x, dy, kernel_size=kernel_size, stride=stride, padding=padding,
-                              dilation=dilation, groups=groups)
+    return strategy.build(conv2d_backward_weight.name, bb, x, dy, kernel_size=kernel_size, stride=stride,
+                          padding=padding, dilation=dilation, groups=groups)
 
 
-def _bwd_weight_direct(bb, x, dy, *, kernel_size, padding, groups):
+@strategy.register("conv2d_backward_weight", "direct", strategy.on_cpu)
+def _bwd_weight_direct(target, bb, x, dy, *, kernel_size, stride, padding, dilation, groups):
     """Stride 1, dilation 1, with x_t[b, Y, X, c] = x[b, c, Y - pt, X - pl] (zero outside x):
 
         acc[co, i, j, c] = sum_{b, oy, ox} dy[b, co, oy, ox] * x_t[b, oy + i, ox + j, g*Cig + c]
@@ -443,6 +443,8 @@ def _bwd_weight_direct(bb, x, dy, *, kernel_size, padding, groups):
     then dw[co, c, i, j] = acc[co, i, j, c]. The channels run contiguously in x_t and in acc, and
     dy does not depend on them: the default CPU schedule's register-blocked product (rows of co
     share each x_t vector)."""
+    if not _unit_stride(stride, dilation):
+        return None
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
     pt, pl, _, _ = padding
@@ -474,7 +476,8 @@ def _bwd_weight_direct(bb, x, dy, *, kernel_size, padding, groups):
     return bb.call_te(kernel, x, dy, primfunc_name_hint="rlx_conv2d_backward_weight")
 
 
-def _bwd_weight_gather(bb, x, dy, *, kernel_size, stride, padding, dilation, groups):
+@strategy.register("conv2d_backward_weight", "gather", strategy.anywhere)
+def _bwd_weight_gather(target, bb, x, dy, *, kernel_size, stride, padding, dilation, groups):
     dtype = tensor_dtype(x)
     acc = acc_dtype(dtype)
     (sh, sw), (dh, dw) = stride, dilation
@@ -514,9 +517,6 @@ conv2d_backward_weight.extra["keep_fused"] = _bwd_weight_keep_fused
 # Gradient of R.nn.conv2d: relax.transform.Gradient emits the two ops above
 # --------------------------------------------------------------------------------------------
 
-GRADIENT_LEVEL = 20
-
-
 def _conv2d_gradient(orig_var, orig_call, output_grad, ctx):
     """d conv2d(x, w) -> (conv2d_backward_input, conv2d_backward_weight) for NCHW/OIHW with
     static spatial dims; anything else keeps TVM's own rule."""
@@ -543,10 +543,4 @@ def _conv2d_gradient(orig_var, orig_call, output_grad, ctx):
     ]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient("relax.nn.conv2d", _conv2d_gradient, GRADIENT_LEVEL)
-
-
-_register_gradients()
+override_gradient("relax.nn.conv2d", _conv2d_gradient)

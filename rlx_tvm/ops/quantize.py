@@ -33,7 +33,9 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax, te, tirx
 
-from ._math import NumpyMath, RelaxMath, TirMath, acc_dtype, tensor_dtype
+from ..kernels.common import acc_dtype, tensor_dtype
+from ..overrides import override_gradient
+from ._math import NumpyMath, RelaxMath, TirMath
 from .registry import Attr, check_choice, check_int, check_optional, define_op, op_error
 
 BITS = (2, 4, 8)
@@ -267,10 +269,4 @@ def _fake_quantize_gradient(orig_var, orig_call, output_grad, ctx):
     return [fake_quantize_backward(x, output_grad, **fake_quantize.call_attrs(orig_call))]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient(fake_quantize.op_name, _fake_quantize_gradient, 20)
-
-
-_register_gradients()
+override_gradient(fake_quantize.op_name, _fake_quantize_gradient)

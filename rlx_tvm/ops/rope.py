@@ -24,7 +24,8 @@ import numpy as np
 from tvm import relax, te, tirx
 from tvm.sym import Analyzer
 
-from ._math import acc_dtype, tensor_dtype
+from ..kernels.common import acc_dtype, tensor_dtype
+from ..overrides import override_gradient
 from .registry import Attr, check_choice, check_int, check_optional, define_op, op_error, static_int
 
 STYLES = ("neox", "gptj")
@@ -349,10 +350,4 @@ def _rope_gradient(orig_var, orig_call, output_grad, ctx):
     return [rope_backward(output_grad, cos, sin, **attrs), dcos, dsin]
 
 
-def _register_gradients():
-    from ..gradients import override_gradient
-
-    override_gradient(rope.op_name, _rope_gradient, 20)
-
-
-_register_gradients()
+override_gradient(rope.op_name, _rope_gradient)

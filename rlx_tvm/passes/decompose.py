@@ -7,7 +7,7 @@ from typing import Iterable
 import tvm
 from tvm import relax
 
-from ..ops.registry import OP_PREFIX, get_op, is_rlx_call
+from ..registry import OP_PREFIX, get_op, is_rlx_call
 
 MAX_ROUNDS = 8
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..ops.registry import get_op, is_rlx_call
+from ..registry import get_op, is_rlx_call
 
 
 class _Group:
@@ -74,7 +74,7 @@ class _SiblingFuser(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="rlx.FuseSiblingBackwardOps")
 class FuseSiblingBackwardOps:
     """Replace backward calls of one dataflow block that read the same operands and have a
-    registered :class:`~rlx_tvm.ops.registry.SiblingFusion` (attention's dq, dk and dv; a norm's
+    registered :class:`~rlx_tvm.registry.SiblingFusion` (attention's dq, dk and dv; a norm's
     dx, dgamma and dbeta, also layer norm's dbeta as a plain ``sum(dy)``) with one kernel computing
     them together: the stages they share (scores, probabilities, dS; row statistics) run once.
     Calls without siblings are left as they are. ``rlx_tvm.compile`` runs it for CPU targets;

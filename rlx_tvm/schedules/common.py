@@ -9,17 +9,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.sym import detect_linear_equation
 
+from ..kernels.annotations import KEEP_STAGE, is_kept  # noqa: F401 (re-exported)
 from ..target import has_avx512, target_cores, vector_bits, vector_lanes, vector_registers  # noqa: F401 (re-exported)
-
-# A block annotation that keeps a stage materialized: MetaSchedule's AutoInline honours it, and
-# so do the default rules (a stage whose inlining would recompute it many times, e.g. attention's
-# probabilities, read Dv times each by the reduction that consumes them).
-KEEP_STAGE = {"meta_schedule.inline_rule": "disable"}
-
-
-def is_kept(sch: s_tir.Schedule, block_rv) -> bool:
-    rule = sch.get(block_rv).annotations.get("meta_schedule.inline_rule")
-    return rule is not None and str(rule) == "disable"
 
 
 def try_inline(sch: s_tir.Schedule, blocks: list) -> list:

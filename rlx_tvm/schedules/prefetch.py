@@ -27,7 +27,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym import Analyzer
 
-from ..ops._llvm import prefetch
+from ..kernels.llvm import prefetch
 from ..ops.registry import static_int
 from .common import expression_nodes
 

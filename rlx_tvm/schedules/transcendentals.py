@@ -1,6 +1,6 @@
 """float32 exp / sigmoid / tanh / erf in vectorizable arithmetic, in every CPU kernel.
 
-rlx_tvm's fused kernels compute these with the polynomials of :mod:`rlx_tvm.ops._math`; the
+rlx_tvm's fused kernels compute these with the polynomials of :mod:`rlx_tvm.kernels.fastmath`; the
 kernels TVM itself legalizes (``R.nn.softmax`` and ``log_softmax``, ``R.sigmoid``, ``R.tanh``,
 ``R.nn.gelu``: the forward of a model, and the decomposed graphs of the backward ops) call
 ``tirx.exp`` and its kin, which LLVM lowers to one scalar libm call per element (``expf``): a
@@ -20,7 +20,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from ..ops._math import erf_f32, exp_f32, tanh_f32, tir_sigmoid
+from ..kernels.fastmath import erf_f32, exp_f32, tanh_f32, tir_sigmoid
 from .common import expression_nodes
 
 __all__ = ["VectorizableTranscendentals", "vectorizable_transcendentals"]

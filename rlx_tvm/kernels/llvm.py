@@ -23,8 +23,7 @@ def zero_bytes(address: tirx.PrimExpr, nbytes: tirx.PrimExpr) -> tirx.PrimExpr:
     """Clear ``nbytes`` from ``address`` (``llvm.memset``, a libc memset call for large sizes):
     whole cache lines written without reading them first, where a vector store loop reads every
     line it writes (a write-allocate). For a buffer that is then accumulated into (gather
-    backward's rows); max-pool backward's former scatter kernel gained 2.1-2.8 -> 1.8-2.1 ms from
-    it (znver4), but where every element is stored once anyway the clear costs more than the
-    write-allocate it saves (max-pool's gather kernel on znver3: 15% slower with it)."""
+    backward's rows); where every element is stored once anyway the clear costs more than the
+    write-allocate it saves."""
     return tirx.call_llvm_intrin("void", "llvm.memset.p0.i64", address, tirx.IntImm("int8", 0),
                                  tirx.Cast("int64", nbytes), tirx.IntImm("bool", 0))
