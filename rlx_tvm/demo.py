@@ -1,5 +1,5 @@
-"""The main job for now: one module of rlx backward ops, built fused and decomposed, checked
-against NumPy. (A training example replaces it once Gradient emits these ops.)"""
+"""``rlx-tvm demo``: one module of rlx backward ops, built fused and decomposed, each output
+checked against NumPy."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import time
 
 import numpy as np
 
-from .testing import TOLERANCES, Case, build_module, compile_and_run
+from .ops import all_ops
 from .passes import DecomposeBackwardOps
+from .target import cpu_target
+from .testing import TOLERANCES, Case, build_module, compile_and_run
 
 
 def demo_cases(rng: np.random.Generator) -> list[Case]:
@@ -44,9 +46,9 @@ def demo_cases(rng: np.random.Generator) -> list[Case]:
     ]
 
 
-def run_demo(target: str = "llvm", dtype: str = "float32") -> int:
-    from .ops import all_ops
-
+def run_demo(target=None, dtype: str = "float32") -> int:
+    """Build, run and check the demo cases for ``target`` (None: this CPU); 0 when all match."""
+    target = target if target is not None else cpu_target()
     known = {o.name for o in all_ops()}
     cases = [c for c in demo_cases(np.random.default_rng(0)) if c.op in known]
     print(f"rlx_tvm demo: {len(cases)} backward ops, dtype {dtype}, target {target}")

@@ -182,7 +182,7 @@ def test_attention_exp_is_vector_code():
     import dataclasses
 
     import rlx_tvm
-    from rlx_tvm.schedules.suite import suite_kernel, suite_module
+    from rlx_tvm.bench.suite import suite_kernel, suite_module
 
     shape = (1, 64, 2, 16)
     kernel = dataclasses.replace(suite_kernel("attention_backward"),

@@ -13,7 +13,7 @@ import rlx_tvm
 from rlx_tvm.build import lower
 from rlx_tvm.passes import DecomposeBackwardOps
 from rlx_tvm.schedules.gpu import gpu_limits, schedule_gpu
-from rlx_tvm.schedules.suite import SUITE, suite_ir_module, suite_kernel, suite_module
+from rlx_tvm.bench.suite import SUITE, suite_ir_module, suite_kernel, suite_module
 
 GPU_SUITE = list(SUITE)
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
@@ -293,14 +293,14 @@ def _tasks(name, target):
 def test_gpu_design_spaces_generate_and_build(target):
     from tvm.s_tir import meta_schedule as ms
 
-    from rlx_tvm.schedules.tune import _spaces, tuning_target
+    from rlx_tvm.tuning.search import design_spaces, tuning_target
 
     target = tuning_target(target)
     assert int(target.attrs["max_threads_per_block"]) > 0 and int(target.attrs["max_shared_memory_per_block"]) > 0
     built = 0
     for name in ("rms_norm_backward", "softmax_cross_entropy_backward", "conv2d_backward_weight"):
         for task in _tasks(name, target):
-            for _, space in _spaces(target):  # the fallback space where the first one fails
+            for _, space in design_spaces(target):  # the fallback space where the first one fails
                 try:
                     ctx = ms.TuneContext(mod=task.dispatched[0], target=target, space_generator=space,
                                          task_name=task.task_name)
@@ -320,7 +320,7 @@ def test_gpu_design_spaces_generate_and_build(target):
 
 
 def test_tune_on_cuda_records_candidates_for_a_device(tmp_path):
-    from rlx_tvm.schedules.tune import tune
+    from rlx_tvm.tuning import tune
 
     results = tune(suite_ir_module([suite_kernel("rms_norm_backward")], "small"), CUDA, trials=4,
                    work_dir=str(tmp_path), trials_per_iter=4)

@@ -5,6 +5,7 @@ baseline formulations, tuning-log lookup by target, and smoke tests of ``rlx-tvm
 import dataclasses
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -18,9 +19,11 @@ from tvm import relax
 import rlx_tvm
 from rlx_tvm import build, cli
 from rlx_tvm.passes import DecomposeBackwardOps
-from rlx_tvm.schedules.suite import SUITE, suite_ir_module, suite_kernel, suite_module, suite_reference
-from rlx_tvm.schedules.tune import cpu_target, export_log
+from rlx_tvm.bench.suite import SUITE, suite_ir_module, suite_kernel, suite_module, suite_reference
+from rlx_tvm.target import cpu_target, vector_bits
 from rlx_tvm.testing import as_tensors, compare
+from rlx_tvm.tuning import ExportTimer, export_log
+from rlx_tvm.tuning.report import read_report, render_markdown
 
 def _close(got, ref, what):
     """float32 outputs against the float64 references, at the tests' float32 tolerance."""
@@ -357,6 +360,7 @@ def test_cli_tune_of_other_kernels_keeps_the_earlier_rows(cli_tuned, tmp_path, c
     _, work, log = cli_tuned
     shutil.copytree(work, tmp_path / "work")
     shutil.copytree(log, tmp_path / "log")
+    (tmp_path / "log" / "TUNING.md").unlink()  # the earlier run's rows come from TUNING.json, not the Markdown
     rc = cli.main(["tune", "--kernels", "relu_backward", "--scale", "small", "--trials", "4", "--time-budget", "0",
                    "--keep-all", "--work-dir", str(tmp_path / "work"), "--log-dir", str(tmp_path / "log")])
     record = (tmp_path / "log" / "TUNING.md").read_text()
@@ -365,6 +369,10 @@ def test_cli_tune_of_other_kernels_keeps_the_earlier_rows(cli_tuned, tmp_path, c
     assert rows[0].startswith("| relu_backward |") and "| skipped: time budget spent |" in rows[0]
     assert all("| earlier run: tuned |" in row for row in rows[1:]), record
     assert "Rows marked `earlier run:`" in record
+    state = json.loads((tmp_path / "log" / "TUNING.json").read_text())
+    assert [(t[0], t[4]) for t in state["tasks"]] == [
+        ("relu_backward", "skipped: time budget spent"), *[("rms_norm_backward", "earlier run: tuned")] * 2]
+    assert record == render_markdown(read_report(str(tmp_path / "log")))
 
 
 def test_cli_tune_stops_at_its_time_budget(tmp_path, capsys):
@@ -408,34 +416,66 @@ def _conv_dx_module(n=2, c=32, hw=28):
     return bb.get()
 
 
-def test_export_drops_records_that_make_their_module_slower(tmp_path):
-    """A record that passes the per-kernel check (here: ``min_speedup=0`` lets any record pass)
-    still leaves the log when the module it belongs to, built with it, is not faster than without:
-    a record that leaves the conv as serial loops (29 MFLOP) against the default schedule."""
+class GivenTimes(ExportTimer):
+    """Export's checks fed given times: each record's kernel and each module take the next
+    (tuned, default) pair given."""
+
+    def __init__(self, kernel_us, module_ms):
+        self.kernel_times, self.module_times = list(kernel_us), list(module_ms)
+
+    def kernel_us(self, tuned, default, target, rounds=5):
+        return self.kernel_times.pop(0)
+
+    def module_ms(self, mod, target, log_dir, rounds=7, min_ms=50.0):
+        assert build.load_tuning_log(log_dir).get_all_tuning_records()  # the module is checked with its records
+        return self.module_times.pop(0)
+
+
+def _naive_conv_log(tmp_path, mod, target):
+    """A work database with one record for the conv kernel of ``mod``: a trace that leaves it as
+    serial loops (one lookup: the database ignores empty traces)."""
     from tvm.s_tir import meta_schedule as ms
 
-    from rlx_tvm.schedules.tune import _kernel_workloads
+    from rlx_tvm.tuning.export import kernel_workloads
 
-    mod, target = _conv_dx_module(), cpu_target()
-    (workload,) = _kernel_workloads([mod], target)
+    (workload,) = kernel_workloads([mod], target)
     naive = tvm.s_tir.Schedule(workload)
-    naive.get_sblock("conv2d_dx_acc")  # a trace of one lookup: the database ignores empty traces
+    naive.get_sblock("conv2d_dx_acc")
     (tmp_path / "work").mkdir()
     work = ms.database.JSONDatabase(work_dir=str(tmp_path / "work"))
     work.commit_tuning_record(ms.database.TuningRecord(
         naive.trace, work.commit_workload(workload), [1e-6], target,
         ms.arg_info.ArgInfo.from_prim_func(workload["main"])))
-    export = export_log(str(tmp_path / "work"), str(tmp_path / "log"), target, verbose=False,
-                        kernels={"conv dx": mod}, min_speedup=0.0)
-    (row,), (check,) = export.rows, export.modules
-    assert row.tuned_us is not None and row.tuned_us > row.default_us  # slower alone too, but let through
-    assert check.name == "conv dx" and check.records == 1
-    assert check.tuned_ms > check.default_ms and not check.kept, check  # module_min_speedup: 1.05
-    assert not row.kept and row.dropped_with_module == "conv dx"
-    assert build.load_tuning_log(str(tmp_path / "log")).get_all_tuning_records() == []
+    return str(tmp_path / "work")
+
+
+def test_export_drops_records_that_make_their_module_slower(tmp_path):
+    """The export rule on given times: a record at least 5% faster than the default schedule alone
+    passes the per-kernel check, and stays only if its module, built with it, is at least 5%
+    faster than without; otherwise it leaves the log, named with the module that dropped it. A
+    record that only ties alone never reaches the module check."""
+    mod, target = _conv_dx_module(), cpu_target()
+    work = _naive_conv_log(tmp_path, mod, target)
+    cases = [  # (kernel us, module ms) -> kept, module checked
+        (((10.0, 20.0), (12.0, 10.0)), False, True),  # faster alone, slower as a module
+        (((10.0, 20.0), (9.6, 10.0)), False, True),  # 4% faster as a module: not enough
+        (((10.0, 20.0), (9.5, 10.0)), True, True),  # 5% faster as a module
+        (((10.0, 10.4), (1.0, 10.0)), False, False),  # 4% faster alone: dropped before the module check
+    ]
+    for i, ((kernel, module), kept, checked) in enumerate(cases):
+        timer = GivenTimes([kernel], [module])
+        export = export_log(work, str(tmp_path / f"log{i}"), target, verbose=False, kernels={"conv dx": mod},
+                            timer=timer)
+        (row,) = export.rows
+        assert (row.tuned_us, row.default_us) == kernel and row.kept == kept, (i, row)
+        assert [(m.name, m.records, m.tuned_ms, m.default_ms, m.kept) for m in export.modules] == (
+            [("conv dx", 1, *module, kept)] if checked else []), (i, export.modules)
+        assert row.dropped_with_module == ("conv dx" if checked and not kept else None), (i, row)
+        assert len(build.load_tuning_log(str(tmp_path / f"log{i}")).get_all_tuning_records()) == int(kept), i
+        assert timer.kernel_times == [] and timer.module_times == ([] if checked else [module]), i
     # Without compare_default nothing is timed, alone or as a module: the record stays.
-    export = export_log(str(tmp_path / "work"), str(tmp_path / "all"), target, compare_default=False,
-                        verbose=False, kernels={"conv dx": mod})
+    export = export_log(work, str(tmp_path / "all"), target, compare_default=False, verbose=False,
+                        kernels={"conv dx": mod}, timer=GivenTimes([], []))
     assert export.modules == [] and export.kept == 1
 
 
@@ -462,6 +502,28 @@ def test_auto_log_lookup_by_target(cli_tuned, tmp_path, monkeypatch, capsys):
     assert "2 of 2 kernels tuned from" in capsys.readouterr().err
     rlx_tvm.compile(suite_module(k, "small"), "llvm")  # plain llvm: no log of that name
     assert "no tuning log for target llvm" in capsys.readouterr().err
+
+
+def test_default_target_is_this_cpu_and_plain_llvm_says_what_it_loses(monkeypatch, capsys):
+    """No target: the kernels are built for this CPU (as with ``cpu_target()``), silently. A plain
+    ``llvm`` on an x86 machine: one line on stderr, once per process, says what it loses and how
+    to ask for this CPU; an ``llvm`` target naming its CPU says nothing."""
+    k = suite_kernel("relu_backward")
+    mod = suite_module(k, "small")
+    monkeypatch.setattr(build, "_generic_llvm_noted", False)
+    assert build.lower(mod, tuning_log=None).script() == build.lower(mod, cpu_target(), tuning_log=None).script()
+    _close(_run(rlx_tvm.compile(mod, tuning_log=None), k), suite_reference(k, "small"), "relu, no target")
+    rlx_tvm.compile(mod, {"kind": "llvm", "mcpu": "x86-64"}, tuning_log=None)
+    assert capsys.readouterr().err == ""
+    for _ in range(2):
+        rlx_tvm.compile(mod, "llvm", tuning_log=None)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlx_tvm: target 'llvm'")]
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        assert notes == []
+        return
+    (note,) = notes
+    assert "generic x86-64" in note and "no tuning log" in note and "rlx_tvm.target.cpu_target()" in note, note
+    assert f"{vector_bits(cpu_target())}-bit" in note and "128-bit" in note, note
 
 
 def test_cli_compile_exports_a_library(cli_tuned, tmp_path, capsys):
@@ -578,28 +640,23 @@ def test_cuda_device_pack_builds_and_stops_at_the_driver(tmp_path, capsys):
 
 
 def test_bench_pause_waits_for_busy_threads():
-    """The pause before a timing lasts until the process's other threads stop using the CPU (as
-    TVM's pool spins for 150-180 ms after its last call), not just its minimum; an idle process
-    waits its minimum and the quiet window, and never more than the cap."""
-    import threading
-    import time
+    """The pause before a timing lasts until the process's threads stop using the CPU (as TVM's
+    pool spins for 150-180 ms after its last call), not just its minimum; an idle process waits
+    its minimum and the quiet window, and never more than the cap. On a simulated clock: a thread
+    that keeps one CPU busy until ``busy_s``."""
+    from rlx_tvm.timing import settle
 
-    from rlx_tvm.bench import settle
+    def pause(busy_s, **kw):
+        now = [0.0]
 
-    def spin(seconds):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+        def sleep(s):
+            now[0] += s
 
-    busy = threading.Thread(target=spin, args=(0.3,))
-    busy.start()
-    waited = settle(10, quiet_ms=20, max_ms=2000)
-    busy.join()
-    assert waited >= 290, waited  # it did not stop while the thread was busy
-    idle = settle(10, quiet_ms=20, max_ms=2000)
-    assert 30 <= idle < 290, idle  # 10 ms, then 20 ms of quiet
-    busy = threading.Thread(target=spin, args=(0.5,))
-    busy.start()
-    capped = settle(10, quiet_ms=20, max_ms=100)
-    busy.join()
-    assert 100 <= capped < 290, capped
+        return settle(clock=lambda: now[0], cpu_seconds=lambda: min(now[0], busy_s), sleep=sleep, **kw)
+
+    step = 20 / 4  # ms: the quiet window is checked in quarters
+    waited = pause(0.3, min_ms=10, quiet_ms=20, max_ms=2000)
+    assert 300 + 20 <= waited <= 300 + 20 + step + 1e-6, waited  # quiet for 20 ms after the thread stopped
+    assert pause(0.0, min_ms=10, quiet_ms=20, max_ms=2000) == pytest.approx(10 + 20)  # minimum, then quiet
+    capped = pause(0.5, min_ms=10, quiet_ms=20, max_ms=100)
+    assert 100 <= capped <= 100 + step + 1e-6, capped

@@ -11,7 +11,8 @@ from tvm import relax
 
 import rlx_tvm
 from rlx_tvm.build import TuningLogError
-from rlx_tvm.schedules.tune import SKIPPED, cpu_target, tune
+from rlx_tvm.target import cpu_target
+from rlx_tvm.tuning import SKIPPED, tune
 from rlx_tvm.testing import Case, build_module
 
 RNG = np.random.default_rng(11)
@@ -83,7 +84,7 @@ def test_empty_log_builds_default_schedules_and_says_why(tmp_path, capsys):
     get default schedules, and the message says the log holds nothing rather than blaming shapes."""
     from tvm.s_tir import meta_schedule as ms
 
-    from rlx_tvm.schedules.tune import export_log
+    from rlx_tvm.tuning import export_log
 
     case = _case(16)
     (tmp_path / "work").mkdir()
@@ -133,7 +134,7 @@ def rpc_tracker():
 
 
 def test_tuning_through_an_rpc_tracker(rpc_tracker, tmp_path, capsys):
-    from rlx_tvm.schedules.tune import rpc_runner
+    from rlx_tvm.tuning import rpc_runner
 
     tracker, key = rpc_tracker
     case = _case(24)
@@ -152,7 +153,7 @@ def test_tuning_through_an_rpc_tracker(rpc_tracker, tmp_path, capsys):
 
 
 def test_rpc_tracker_errors():
-    from rlx_tvm.schedules.tune import rpc_runner
+    from rlx_tvm.tuning import rpc_runner
 
     with pytest.raises(ValueError, match="HOST:PORT"):
         rpc_runner("localhost", "k")
@@ -166,7 +167,7 @@ def test_data_movement_kernels_get_copy_trials():
     from tvm import te
     from tvm.script import tirx as T
 
-    from rlx_tvm.schedules.tune import _hand_scheduled, _trials_for
+    from rlx_tvm.tuning.search import is_hand_scheduled, trials_for
 
     a = te.placeholder((64, 128), name="a")
     sliced = tvm.IRModule({"main": te.create_prim_func([a, te.compute((64, 64), lambda i, j: a[i, j + 32])])})
@@ -176,19 +177,19 @@ def test_data_movement_kernels_get_copy_trials():
     def shuffled(x: T.Buffer((8,), "float32"), y: T.Buffer((8,), "float32")):
         y[T.Ramp(0, 1, 8)] = T.Shuffle([x[T.Ramp(0, 1, 8)]], [7, 6, 5, 4, 3, 2, 1, 0])
 
-    assert _trials_for(sliced, 200, 32) == 32 and _trials_for(sliced, 16, 32) == 16
-    assert _trials_for(sliced, 200, None) == 200
-    assert _trials_for(scaled, 200, 32) == 200
-    assert _trials_for(tvm.IRModule({"main": shuffled}), 200, 32) == 200
+    assert trials_for(sliced, 200, 32) == 32 and trials_for(sliced, 16, 32) == 16
+    assert trials_for(sliced, 200, None) == 200
+    assert trials_for(scaled, 200, 32) == 200
+    assert trials_for(tvm.IRModule({"main": shuffled}), 200, 32) == 200
     # vector expressions written by hand (the cumsum scan) mark a kernel as scheduled by hand; TE's do not
-    assert _hand_scheduled(tvm.IRModule({"main": shuffled}))
-    assert not _hand_scheduled(scaled) and not _hand_scheduled(sliced)
+    assert is_hand_scheduled(tvm.IRModule({"main": shuffled}))
+    assert not is_hand_scheduled(scaled) and not is_hand_scheduled(sliced)
 
 
 def test_hand_scheduled_kernels_are_skipped(tmp_path, capsys):
     """Max-pool's routing kernel is TIR with vector loops: no design space, and MetaSchedule's
     postprocessors would break its build; it is skipped with a reason, the reshape beside it is tuned."""
-    from rlx_tvm.schedules.tune import HAND_SCHEDULED
+    from rlx_tvm.tuning import HAND_SCHEDULED
 
     case = Case("max_pool2d_backward", {"x": RNG.standard_normal((1, 2, 8, 8)), "dy": RNG.standard_normal((1, 2, 4, 4))},
                 {"kernel_size": (2, 2), "stride": (2, 2)})
@@ -202,7 +203,7 @@ def test_hand_scheduled_kernels_are_skipped(tmp_path, capsys):
 def test_long_stage_lists_are_labelled_by_their_ends():
     from tvm import te
 
-    from rlx_tvm.schedules.tune import _kernel_label
+    from rlx_tvm.tuning.export import kernel_label
 
     def next_stage(prev, i):
         return te.compute((16,), lambda j: prev[j] + 1.0, name=f"stage_number_{i}")
@@ -210,15 +211,15 @@ def test_long_stage_lists_are_labelled_by_their_ends():
     stages = [te.placeholder((16,), name="a")]
     for i in range(12):
         stages.append(next_stage(stages[-1], i))
-    label = _kernel_label(tvm.IRModule({"main": te.create_prim_func([stages[0], stages[-1]])}))
+    label = kernel_label(tvm.IRModule({"main": te.create_prim_func([stages[0], stages[-1]])}))
     assert label == "stage_number_0/stage_number_1/... 9 more .../stage_number_11", label
-    short = _kernel_label(tvm.IRModule({"main": te.create_prim_func([stages[0], stages[2]])}))
+    short = kernel_label(tvm.IRModule({"main": te.create_prim_func([stages[0], stages[2]])}))
     assert short == "stage_number_0/stage_number_1", short
 
 
 def test_long_task_names_are_shortened_for_tables():
     """Fused task names list every fused operator; tables keep the start and the length."""
-    from rlx_tvm.schedules.tune import short_task_name
+    from rlx_tvm.tuning.search import short_task_name
 
     name = "fused_" + "_".join(["concatenate"] * 30)
     short = short_task_name(name)

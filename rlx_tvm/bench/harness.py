@@ -1,6 +1,6 @@
 """``rlx-tvm bench``: the backward-kernel suite timed side by side.
 
-For every suite kernel (:mod:`rlx_tvm.schedules.suite`) and in one process:
+For every suite kernel (:mod:`rlx_tvm.bench.suite`) and in one process:
 
 * ``tuned``: :func:`rlx_tvm.compile` with the committed tuning log of the target (kernels without
   a record get default schedules; the count is reported);
@@ -12,7 +12,7 @@ For every suite kernel (:mod:`rlx_tvm.schedules.suite`) and in one process:
 
 Repeats are interleaved (each round times every variant once, in a shuffled order, seeded), each
 timing averages enough calls to last ``min_ms`` and follows a pause of at least ``settle_ms``
-that lasts until the process's threads are idle (:func:`settle`), and the
+that lasts until the process's threads are idle (:func:`rlx_tvm.timing.settle`), and the
 median over repeats is reported. TVM and torch use the same thread count. A parallel copy kernel,
 timed in every kernel's rounds alongside its variants, gives the machine's copy bandwidth at that
 time, the yardstick for that memory-bound kernel (on a shared machine it moved between 29.5 and 52
@@ -31,48 +31,20 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import tvm
+from tvm import te
 
-from .threads import cpu_threads
+from .. import build
+from ..passes import DecomposeBackwardOps
+from ..target import cpu_target
+from ..testing import as_tensors
+from ..threads import cpu_threads
+from ..timing import SETTLE_MS, calibrated_timer, settle, vm_runner
+from .suite import flops_of, suite_kernels, suite_module
+
+__all__ = ["KernelResult", "VARIANTS", "format_markdown", "format_table", "run_bench", "write_json"]
 
 VARIANTS = ("tuned", "default", "tvm", "torch")
-
-# Pause before each timing. PyTorch's OpenMP workers and TVM's thread pool keep spinning for a while
-# after a parallel call; on 2 cores a kernel timed right after the other runtime shares the CPUs
-# with them (group norm backward: 1.7-2.0 ms right after torch, 0.9-1.0 ms after a 50 ms pause).
-# The order is shuffled per round as well (seeded), so that no variant always follows the same one.
-SETTLE_MS = 100.0
-# The pause lasts at least SETTLE_MS and until the process has used no CPU for QUIET_MS (at most
-# SETTLE_MAX_MS): TVM's pool keeps a core busy for 150-180 ms after its last call (its workers
-# yield in a loop for TVM_THREAD_POOL_SPIN_COUNT rounds), PyTorch's OpenMP for about 10 ms. With a
-# fixed 100 ms pause a PyTorch timing after a TVM one ran beside the spinning worker: PyTorch's
-# cumsum backward took 17-33 ms per call 100 ms after TVM calls and 0.6-1.2 ms 10 or 500 ms after,
-# and read 23 ms in two full runs (0.26-0.29 ms with the pause lasting until the process is quiet).
-QUIET_MS = 20.0
-SETTLE_MAX_MS = 1000.0
-
-
-def settle(min_ms: float = SETTLE_MS, quiet_ms: float = QUIET_MS, max_ms: float = SETTLE_MAX_MS) -> float:
-    """Sleep at least ``min_ms``, then until this process's threads have used (almost) no CPU time
-    for ``quiet_ms`` (no more than ``max_ms`` in all); returns the milliseconds slept."""
-    import resource
-
-    def cpu_s() -> float:
-        u = resource.getrusage(resource.RUSAGE_SELF)
-        return u.ru_utime + u.ru_stime
-
-    start = time.perf_counter()
-    time.sleep(min_ms / 1e3)
-    step = quiet_ms / 4e3
-    quiet_since, last = time.perf_counter(), cpu_s()
-    while (now := time.perf_counter()) - start < max_ms / 1e3:
-        if now - quiet_since >= quiet_ms / 1e3:
-            break
-        time.sleep(step)
-        used = cpu_s()
-        if used - last > 0.1 * step:  # busy for more than a tenth of the step: not quiet yet
-            quiet_since = time.perf_counter()
-        last = used
-    return (time.perf_counter() - start) * 1e3
 
 
 @dataclass
@@ -97,38 +69,6 @@ class KernelResult:
         return None if self.flops or rate is None or not self.copy_gbps else rate[0] / self.copy_gbps
 
 
-def calibrated_timer(run, min_ms: float):
-    """A timer of ``run``: calls per timing chosen once so that one timing lasts >= ``min_ms``,
-    from the fastest of a few calls (a single call could be a slow outlier: then a timing made
-    of too few calls, each paying the wake-up after the pause before it; the kernel calibrated
-    first read 1.2-2x slower than the same kernel built twice, on the 0.06 ms ones)."""
-    run()  # warm up (first-call allocations, thread pool start)
-    calls = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        run()
-        calls.append(time.perf_counter() - t0)
-    number = max(1, int(min_ms / 1e3 / max(min(calls), 1e-9)))
-
-    def timer() -> float:
-        if number > 1:  # one untimed call first: it pays for waking the thread pool after the pause
-            run()
-        t = time.perf_counter()
-        for _ in range(number):
-            run()
-        return (time.perf_counter() - t) / number * 1e3
-
-    return timer
-
-
-def vm_runner(ex, args):
-    import tvm
-    from tvm import relax
-
-    main = relax.VirtualMachine(ex, tvm.cpu())["main"]
-    return lambda: main(*args)
-
-
 COPY_ELEMENTS = 24 << 20
 
 
@@ -136,9 +76,6 @@ def _copy_runner(target, n: int = COPY_ELEMENTS):
     """A parallel, vectorized float32 copy of ``n`` elements, whose GB/s (read + write) is the
     yardstick; 96 MiB a side by default, past the last-level cache, like the memory-bound suite
     kernels (3 x 32 MiB)."""
-    import tvm
-    from tvm import te
-
     a = te.placeholder((n // 1024, 1024), "float32", name="a")
     b = te.compute(a.shape, lambda i, j: a[i, j], name="b")
     sch = tvm.s_tir.Schedule(te.create_prim_func([a, b]))
@@ -177,15 +114,7 @@ def run_bench(kernels=None, repeats: int = 5, min_ms: float = 50.0, threads: int
               settle_ms: float = SETTLE_MS, progress=print) -> dict:
     """Time the suite; returns the JSON-able result (also what :func:`format_table` prints)."""
     threads = threads or cpu_threads()
-    os.environ["TVM_NUM_THREADS"] = str(threads)  # before TVM's thread pool starts
-    import tvm
-
-    from . import build
-    from .passes import DecomposeBackwardOps
-    from .schedules.suite import flops_of, suite_kernels, suite_module
-    from .target import cpu_target
-    from .testing import as_tensors
-
+    os.environ["TVM_NUM_THREADS"] = str(threads)  # before TVM's thread pool starts (at the first parallel kernel)
     torch = None
     if use_torch:
         try:

@@ -1,8 +1,8 @@
 """A device pack: the benchmark suite built here for a GPU target, with what it needs to be timed
 on a machine that has the GPU, PyTorch and NumPy but neither TVM's compiler nor a network.
 
-The lent GPU machines are such machines: nothing can be fetched there, and at most 64 MiB travel
-with a run, while TVM's compiler library alone is 60 MB compressed (259 MB as installed). TVM's
+Such a machine may allow nothing to be fetched there and take little with a run (64 MiB, say),
+while TVM's compiler library alone is 60 MB compressed (259 MB as installed). TVM's
 runtime is small, though, and ``TVM_USE_RUNTIME_LIB=1`` makes ``import tvm`` load only it. So
 :func:`build_pack` compiles every suite kernel here (CUDA through nvcc, so the libraries hold
 device code for the target's architecture) and writes, into one directory:
@@ -17,7 +17,7 @@ device code for the target's architecture) and writes, into one directory:
 Run there: ``python3 PACK/device_time.py --out results.json``.
 
 With ``tuning_round=N`` the pack also holds ``round/``: a MetaSchedule tuning round of up to N
-candidates per task, built here (:mod:`rlx_tvm.schedules.device_round`), which ``device_time.py``
+candidates per task, built here (:mod:`rlx_tvm.tuning.device_round`), which ``device_time.py``
 measures there before timing the suite; ``rlx-tvm tune --device-results results.json`` stores the
 measurements in the work database here and exports the tuning log. Tuning needs the compiler, which
 does not fit on the device, and an RPC tracker cannot reach it, so the search runs here and only
@@ -36,9 +36,12 @@ import zipfile
 from types import SimpleNamespace
 
 import tvm
+import tvm_ffi
 
-from .build import compile as rlx_compile
-from .schedules.suite import flops_of, suite_kernels, suite_module
+from ..build import compile as rlx_compile
+from ..build import target_key, tuning_log_for
+from ..tuning.device_round import make_round
+from .suite import flops_of, suite_ir_module, suite_kernels, suite_module
 
 __all__ = ["build_pack", "pack_size"]
 
@@ -49,8 +52,6 @@ FFI_VERSION = "0.1.14.post1"  # the pin of pyproject.toml
 
 
 def _copy_runtime(dest: str, python_version: str, progress) -> None:
-    import tvm_ffi
-
     tvm_dir = os.path.dirname(tvm.__file__)
     shutil.copytree(tvm_dir, os.path.join(dest, "tvm"), ignore=shutil.ignore_patterns("__pycache__"))
     for part in _NOT_RUNTIME:
@@ -110,10 +111,6 @@ def build_pack(out_dir: str, target, kernels=None, python_version: str | None = 
         progress(f"[{i + 1}/{len(selected)}] {kernel.name}: {library} "
                  f"({os.path.getsize(os.path.join(out_dir, library)) // 1024} KiB)")
     if tuning_round > 0:
-        from .build import target_key, tuning_log_for
-        from .schedules.device_round import make_round
-        from .schedules.suite import suite_ir_module
-
         work_dir = work_dir or os.path.join("tuning_work", target_key(target))
         progress(f"tuning round: up to {tuning_round} candidates per task, searched with the records of {work_dir}")
         rnd = make_round(suite_ir_module(selected, scale), target, work_dir, os.path.join(out_dir, "round"),
@@ -122,7 +119,7 @@ def build_pack(out_dir: str, target, kernels=None, python_version: str | None = 
         spec["round"] = {"id": rnd["id"], "work_dir": work_dir}
     _copy_runtime(os.path.join(out_dir, "tvm_runtime"), python_version, progress)
     here = os.path.dirname(os.path.abspath(__file__))
-    shutil.copy(os.path.join(here, "schedules", "suite_torch.py"), out_dir)
+    shutil.copy(os.path.join(here, "suite_torch.py"), out_dir)
     shutil.copy(os.path.join(here, "device_time.py"), out_dir)
     with open(os.path.join(out_dir, "spec.json"), "w") as f:
         json.dump(spec, f, indent=1)

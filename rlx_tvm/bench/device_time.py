@@ -1,4 +1,4 @@
-"""Time a device pack's kernels on the machine it was carried to (see ``rlx_tvm/device_pack.py``).
+"""Time a device pack's kernels on the machine it was carried to (see ``rlx_tvm/bench/device_pack.py``).
 
 Standalone: ``rlx-tvm device-pack`` copies this file into the pack, and it runs there with the
 machine's own Python (PyTorch, NumPy), importing only the pack's TVM runtime (no compiler:
@@ -14,7 +14,7 @@ the TVM outputs are compared with PyTorch's gradients (max relative difference, 
 asserted: the semantics differ at the edges for fake-quantize). Prints a table, writes JSON.
 
 A pack made with ``--tuning-round N`` also holds ``round/``: a MetaSchedule tuning round
-(``rlx_tvm/schedules/device_round.py``), one library per task with its candidate schedules and
+(``rlx_tvm/tuning/device_round.py``), one library per task with its candidate schedules and
 its default one. Those are timed first, each task in a child process (a candidate that faults
 or hangs costs only itself: it is recorded as failed, as MetaSchedule's runner records one),
 under ``--round-budget`` seconds; the times go into the results' ``"round"``, which

@@ -1,7 +1,7 @@
 """The backward-kernel benchmark suite: what ``rlx-tvm tune`` tunes and ``rlx-tvm bench`` times.
 
 Each :class:`SuiteKernel` is one training-time backward computation (float32) at the shapes of
-issue #6, and carries everything needed to build and compare it:
+a transformer or CNN training step, and carries everything needed to build and compare it:
 
 * ``inputs(scale)``: NumPy inputs at ``"full"`` (benchmark) or ``"small"`` (tests) shapes;
 * ``rlx(vars)``: the rlx backward ops, one Relax function ``main`` returning a tuple;
@@ -23,6 +23,7 @@ import tvm
 from tvm import relax
 
 from .. import ops
+from ..ops.registry import get_op
 from . import suite_torch
 
 __all__ = ["SUITE", "SuiteKernel", "suite_ir_module", "suite_kernel", "suite_kernels", "suite_module", "suite_reference"]
@@ -39,7 +40,7 @@ class SuiteKernel:
 
     @property
     def torch(self) -> Callable[..., tuple]:
-        """PyTorch eager: see :mod:`rlx_tvm.schedules.suite_torch`."""
+        """PyTorch eager: see :mod:`rlx_tvm.bench.suite_torch`."""
         return suite_torch.BY_KERNEL[self.name]
 
     def inputs(self, scale: str = "full", seed: int = 0) -> dict[str, np.ndarray]:
@@ -297,8 +298,6 @@ def suite_reference(kernel: SuiteKernel, scale: str = "small", seed: int = 0) ->
     """The kernel's outputs on ``kernel.inputs(scale, seed)``, in float64 from the ops' NumPy
     references, evaluated binding by binding over its Relax function (rlx ops, plus the plain
     ``relax.sum`` some kernels use)."""
-    from ..ops.registry import get_op
-
     func = suite_module(kernel, scale)["main"]
     inputs = kernel.inputs(scale, seed)
     env = {p: (a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a)
@@ -325,10 +324,9 @@ def flops_of(kernel: SuiteKernel, scale: str = "full") -> float | None:
     return kernel.flops(kernel.shapes(scale)) if kernel.flops else None
 
 
-
 def suite_ir_module(kernels: list[SuiteKernel] | None = None, scale: str = "full") -> tvm.IRModule:
     """Every kernel of the suite (or of ``kernels``) as one module, one function per kernel (named
-    after it): what :func:`rlx_tvm.schedules.tune.tune` takes to tune the suite."""
+    after it): what ``rlx-tvm tune`` gives :func:`rlx_tvm.tuning.tune` to tune the suite."""
     out = tvm.IRModule()
     for k in kernels if kernels is not None else SUITE:
         out[k.name] = suite_module(k, scale)["main"].with_attr("global_symbol", k.name)

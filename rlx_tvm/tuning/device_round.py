@@ -1,8 +1,8 @@
 """A MetaSchedule tuning round whose candidates are measured on a machine without TVM's compiler.
 
-The lent GPU machines hold CUDA, PyTorch and NumPy but neither TVM's compiler (too big to carry
-there) nor a network (no RPC tracker can reach them), so :func:`~rlx_tvm.schedules.tune.tune`
-cannot measure on them. A round splits one search step of :func:`tune` in two:
+A GPU machine may hold CUDA, PyTorch and NumPy but neither TVM's compiler (too big to carry there)
+nor a network (no RPC tracker can reach it), so :func:`~rlx_tvm.tuning.tune` cannot measure on
+it. A round splits one search step of :func:`tune` in two:
 
 1. here, :func:`make_round` runs MetaSchedule's evolutionary search for each task (XGBoost cost
    model trained on what the work database already holds for that task, population seeded from
@@ -14,7 +14,7 @@ cannot measure on them. A round splits one search step of :func:`tune` in two:
    zero integers), a child process per task;
 3. here again, :func:`commit_round` stores the measured records in the work database (a
    MetaSchedule ``JSONDatabase``) and the default schedules' times in ``device_rounds.json``
-   beside it, which :func:`~rlx_tvm.schedules.tune.export_log` uses to keep a record only if it
+   beside it, which :func:`~rlx_tvm.tuning.export_log` uses to keep a record only if it
    beat the default on the device.
 
 Running rounds again continues the search: each round's model learns from every earlier one.
@@ -24,14 +24,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
+import tempfile
 import time
 
 import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
-__all__ = ["ROUNDS_FILE", "ROUND_FILE", "commit_round", "device_defaults", "make_round", "workload_key"]
+from ..build import default_schedule, load_tuning_log, lower
+from .search import (build_candidate, design_spaces, evaluator_config, is_hand_scheduled, search_strategy,
+                     task_records, tuning_target)
+
+__all__ = ["DEFAULT_FUNC", "ROUNDS_FILE", "ROUND_FILE", "commit_round", "device_defaults", "make_round", "round_candidates",
+           "workload_key"]
 
 ROUND_FILE = "round.json"
 # In the work database's directory: the rounds stored there (ids) and, per workload hash, its
@@ -54,14 +61,12 @@ def _train_on_database(model: ms.cost_model.XGBModel, ctx: ms.TuneContext, recor
     return len(measured)
 
 
-def _candidates(task_mod, target, name: str, trials: int, db, seed: int) -> tuple[list, str, int]:
+def round_candidates(task_mod, target, name: str, trials: int, db, seed: int) -> tuple[list, str, int]:
     """One round of MetaSchedule's evolutionary search: up to ``trials`` new candidates, how they
     were found, and how many measured records the cost model learnt from."""
-    from .tune import _records, _spaces, search_strategy
-
-    records = _records(db, task_mod)
+    records = task_records(db, task_mod)
     errors = []
-    for how, space in _spaces(target):
+    for how, space in design_spaces(target):
         try:  # design-space generation fails on some fused kernels with multi-level tiling
             ctx = ms.TuneContext(task_mod, target=target, space_generator=space, task_name=name, rand_state=seed,
                                  search_strategy=search_strategy(), num_threads=os.cpu_count() or 1)
@@ -80,8 +85,6 @@ def _candidates(task_mod, target, name: str, trials: int, db, seed: int) -> tupl
 
 
 def _build(funcs: dict[str, tvm.tirx.PrimFunc], target) -> tvm.runtime.Module:
-    from .tune import build_candidate  # what tune's builder does with one candidate
-
     return build_candidate(tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()}), target)
 
 
@@ -106,11 +109,8 @@ def _build_task(funcs: dict[str, tvm.tirx.PrimFunc], target) -> tuple[tvm.runtim
 
 def _export_compressed(lib: tvm.runtime.Module, path: str) -> None:
     """``lib`` as a shared library, xz-compressed: a CUDA library holds each kernel's source text
-    beside its cubin, and a round of the suite's 28 tasks would not fit the 64 MiB that travel to a
-    lent GPU otherwise (softmax-CE's 32 candidates alone: 14.6 MB, 0.4-0.6 MB compressed)."""
-    import lzma
-    import tempfile
-
+    beside its cubin, and a round of the suite's 28 tasks would not fit in 64 MiB otherwise
+    (softmax-CE's 32 candidates alone: 14.6 MB, 0.4-0.6 MB compressed)."""
     with tempfile.TemporaryDirectory() as tmp:
         so = os.path.join(tmp, "lib.so")
         lib.export_library(so)
@@ -122,8 +122,6 @@ def _seed_from_log(db: ms.database.Database, log_dir: str) -> int:
     """Copy a committed tuning log's records (each measured on the device, the best of earlier
     rounds) into an empty work database, so that a round made where the git-ignored work database
     is not (a new clone) still starts from them. Returns how many."""
-    from ..build import load_tuning_log
-
     records = load_tuning_log(log_dir).get_all_tuning_records()
     for rec in records:
         db.commit_tuning_record(ms.database.TuningRecord(rec.trace, db.commit_workload(rec.workload.mod),
@@ -139,9 +137,6 @@ def make_round(mod, target, work_dir: str, out_dir: str, trials: int = 32, seed:
     (function name and unmeasured tuning record each). Hand-scheduled kernels (vector code) are
     left out, as :func:`tune` leaves them. ``seed_log``: a tuning log whose records an empty work
     database starts from. Returns what ``round.json`` holds."""
-    from ..build import lower
-    from .tune import _evaluator, _hand_scheduled, default_schedule, tuning_target
-
     target = tuning_target(target)
     os.makedirs(work_dir, exist_ok=True)
     os.makedirs(out_dir, exist_ok=True)
@@ -150,17 +145,17 @@ def make_round(mod, target, work_dir: str, out_dir: str, trials: int = 32, seed:
         progress(f"the work database {work_dir} is empty: starting from the {_seed_from_log(db, seed_log)} "
                  f"records of {seed_log}")
     tasks = ms.relax_integration.extract_tasks(lower(mod, target, schedule=False), target)
-    config = _evaluator()  # what tune's runners measure with
+    config = evaluator_config()  # what tune's runners measure with
     evaluator = {"number": config.number, "repeat": config.repeat, "min_repeat_ms": config.min_repeat_ms}
     device = "cuda" if target.kind.name == "cuda" else "cpu" if target.kind.name == "llvm" else target.kind.name
     out = {"target": str(target), "device": device, "evaluator": evaluator, "tasks": []}
     for i, task in enumerate(tasks):
         start, label = time.time(), f"[{i + 1}/{len(tasks)}] {task.task_name}"
         task_mod = task.dispatched[0]
-        if _hand_scheduled(task_mod):
+        if is_hand_scheduled(task_mod):
             progress(f"{label}: skipped (scheduled by hand)")
             continue
-        found, how, learnt = _candidates(task_mod, target, task.task_name, trials, db, seed)
+        found, how, learnt = round_candidates(task_mod, target, task.task_name, trials, db, seed)
         if not found:
             progress(f"{label}: {how}")
             continue

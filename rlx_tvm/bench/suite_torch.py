@@ -3,7 +3,7 @@
 Each takes the suite kernel's inputs as torch tensors and returns ``(output, leaves, cotangent)``:
 the forward output, the tensors to differentiate with respect to, and the cotangent, so that a
 timer runs only ``torch.autograd.grad(output, leaves, cotangent)``. This module imports neither
-TVM nor the rest of rlx_tvm: the GPU device pack (``rlx_tvm/device_pack.py``) copies it to a
+TVM nor the rest of rlx_tvm: the GPU device pack (``rlx_tvm/bench/device_pack.py``) copies it to a
 machine that has PyTorch but no TVM compiler.
 """
 

@@ -1,0 +1,7 @@
+"""``python -m rlx_tvm.cli``: the ``rlx-tvm`` command line."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
