@@ -123,7 +123,7 @@ def reduction_blocking(sch: s_tir.Schedule, row_loop, tile_rows: int, reduction_
 
 
 def schedule_column_reduction(sch, block, lead, reduction_loops, lanes: int, cores: int,
-                               registers: int) -> None:
+                               registers: int) -> tuple:
     """out[..., j] = sum_r f(in[r, ..., j]) (gamma/beta gradients, sums over leading axes): the
     columns are split into chunks of whole vectors; each thread takes whole chunks and walks all
     the rows, so every read is a contiguous vector and no two threads write the same output.
@@ -132,7 +132,10 @@ def schedule_column_reduction(sch, block, lead, reduction_loops, lanes: int, cor
     When some read along the columns does not depend on another output axis (a matrix
     product's right operand, reused by every row of the left), ``ROW_TILE`` rows of that axis
     share each vector load: the tile of accumulators is a local buffer that LLVM keeps in
-    registers across the reduction, a register-blocked GEMM micro-kernel."""
+    registers across the reduction, a register-blocked GEMM micro-kernel.
+
+    Returns the parallel loop and the block that writes a tile's accumulators back (None without
+    a tile): where an epilogue may be computed a tile at a time."""
     columns = static_int(sch.get(lead[-1]).extent)
     tiled = reused_row_axis(sch, block, len(lead), ROW_TILE)
     partner = None if tiled is None else column_partner_axis(sch, block, len(lead), tiled)
@@ -140,7 +143,7 @@ def schedule_column_reduction(sch, block, lead, reduction_loops, lanes: int, cor
         product_tile(columns, static_int(sch.get(lead[tiled]).extent), lanes, registers,
                      None if partner is None else static_int(sch.get(lead[partner]).extent))
     if columns is None or (columns % lanes and tile is None):
-        return parallel(sch, lead)
+        return parallel(sch, lead), None
     # Up to 4 vectors per chunk, but at least two chunks where the columns allow (two threads).
     width = next((lanes * k for k in (4, 2) if columns % (lanes * k) == 0 and columns // (lanes * k) >= 2), lanes)
     if tile is not None:  # the other output axes give the threads their work: whole rows
@@ -189,3 +192,4 @@ def schedule_column_reduction(sch, block, lead, reduction_loops, lanes: int, cor
         sch.vectorize(sch.get_loops(accumulate)[-1])
     init = sch.decompose_reduction(block, reduction_loops[0])
     sch.vectorize(sch.get_loops(init)[-1])
+    return tile_loop, accumulate

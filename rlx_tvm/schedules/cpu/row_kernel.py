@@ -16,6 +16,7 @@ from ..common import fuse_loops, inlined_blocks, uses, vector_lanes
 from ..prefetch import ANNOTATION as PREFETCH_NEXT_ROW
 from .analysis import (SMALL_WINDOW, block_domain, is_row_reduction, n_spatial, parallel, product, reduced_size,
                        vector_width, work)
+from .product import is_product
 
 
 class RowKernel(CPUScheduleRule):
@@ -28,6 +29,8 @@ class RowKernel(CPUScheduleRule):
         if found is None or len(found[1]) < 2:
             return None
         sch, blocks = found
+        if any(is_product(sch, info.block_rv) for info in blocks):
+            return None  # a matrix product's or convolution's outputs are no rows of statistics
         lanes = vector_lanes(target)
         return fuse_rows(sch.copy(), blocks, lanes) or merge_row_stages(sch.copy(), blocks, lanes)
 
