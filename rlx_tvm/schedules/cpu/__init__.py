@@ -8,7 +8,8 @@ first rule that returns a schedule wins; a rule that does not fit returns None):
 * :class:`Product` (``product.py``): matrix products and convolutions with fused epilogues;
 * :class:`RowKernel` (``row_kernel.py``): multi-stage row kernels (norm, softmax-CE backward);
 * one-block kernels: :class:`FullReduction`, :class:`ColumnReduction` (register-blocked products
-  among them), :class:`WindowReduction` (pooling), :class:`RowReduction`, :class:`Elementwise`;
+  among them), :class:`WindowReduction` (pooling), :class:`RowReduction`, :class:`Transpose`,
+  :class:`Elementwise`;
 * :class:`ParallelFallback` (``fallback.py``): any other kernel, block by block.
 """
 
@@ -22,11 +23,12 @@ from .gemv import GEMV
 from .product import Product, is_product
 from .row_kernel import RowKernel, _merge_independent_passes  # noqa: F401 (tests check it directly)
 from .row_reduction import RowReduction
+from .transpose import Transpose
 from .window import WindowReduction
 
 __all__ = ["BLOCK_RULES", "FULL_REDUCTION_PARTS", "GEMV", "MIN_FULL_REDUCTION", "MIN_ROWS_PARALLEL", "REDUCTION_BLOCK",
            "ROW_TILE", "SMALL_WINDOW", "TILES_PER_CORE", "TILE_ACCUMULATORS", "TILE_GROUP", "ColumnReduction",
-           "Elementwise", "FullReduction", "ParallelFallback", "Product", "RowKernel", "RowReduction", "WindowReduction",
+           "Elementwise", "FullReduction", "ParallelFallback", "Product", "RowKernel", "RowReduction", "Transpose", "WindowReduction",
            "default_cpu_rules", "is_product", "product_tile"]
 
 
@@ -37,5 +39,6 @@ def default_cpu_rules() -> list:
     scalar adds (softmax-CE backward took 58 ms at 2048 x 8192, 11 ms with the vector row
     reductions of :class:`RowReduction`), and put fake-quantize's full reduction ``max|x|`` under
     the consumer's parallel row loop, recomputing it once per row."""
-    return [GEMV(), Product(), RowKernel(), FullReduction(), ColumnReduction(), WindowReduction(), RowReduction(), Elementwise(),
+    return [GEMV(), Product(), RowKernel(), FullReduction(), ColumnReduction(), WindowReduction(), RowReduction(), Transpose(),
+            Elementwise(),
             ParallelFallback()]
