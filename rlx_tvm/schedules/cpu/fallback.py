@@ -19,12 +19,12 @@ from .column_reduction import ColumnReduction
 from .elementwise import Elementwise
 from .full_reduction import FullReduction
 from .row_reduction import RowReduction
-from .transpose import Transpose
 from .window import WindowReduction
 
 # In priority order: a reduction over a whole tensor, along columns, over a small window, along
-# rows; then blocks without a reduction: transposes, other ones.
-BLOCK_RULES = (FullReduction(), ColumnReduction(), WindowReduction(), RowReduction(), Transpose(), Elementwise())
+# rows; then blocks without a reduction. (Transpose takes kernels of one block only: the blocks of
+# multi-block kernels, attention backward's among them, keep the schedules they were measured with.)
+BLOCK_RULES = (FullReduction(), ColumnReduction(), WindowReduction(), RowReduction(), Elementwise())
 
 
 class ParallelFallback(CPUScheduleRule):
