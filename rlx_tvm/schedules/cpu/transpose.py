@@ -1,6 +1,6 @@
 """Transposes: a block without a reduction that reads a buffer along another axis than the one it
 writes along (``permute_dims``, a weight's transpose for ``x @ W.T``): square tiles of
-``lanes x lanes`` elements, so that the lines read across the rows of a tile stay in the L1 cache
+``TILE x TILE`` elements, so that the lines read across the rows of a tile stay in the L1 cache
 while the tile is written (row by row over the whole output, each read line was evicted before
 its next element was used)."""
 
@@ -14,6 +14,9 @@ from .analysis import parallel
 from .block_rule import CPU, BlockRule, block_shape
 
 MIN_TRANSPOSE = 1 << 14  # elements below which a transpose stays one elementwise loop
+# Rows of a tile: with power-of-two row lengths every line a tile reads falls in one L1 set, and 8
+# fit an 8-way cache where 16 evicted each other.
+TILE = 8
 
 
 def transposed_axis(stmt, n_loops: int) -> int | None:
@@ -46,7 +49,7 @@ class Transpose(BlockRule):
         axis = transposed_axis(stmt, len(shape.loops))
         if axis is None:
             return False
-        tile = cpu.lanes
+        tile = TILE
         extents = [static_int(sch.get(loop).extent) for loop in shape.loops]
         if extents[axis] is None or extents[-1] is None or extents[axis] % tile or extents[-1] % tile \
                 or extents[axis] * extents[-1] < MIN_TRANSPOSE:
