@@ -55,9 +55,10 @@ def is_padding(sch: s_tir.Schedule, block) -> bool:
 
 
 class Product(CPUScheduleRule):
-    """A kernel whose first block (after inlining, padding kept) is a product contiguous along its output's
-    innermost axis with a reused row axis (``common.is_column_reduction``, ``reused_row_axis``)
-    and whose other blocks are elementwise stages after it; declines every other kernel."""
+    """A kernel whose first block (after inlining; padding kept, see :func:`is_padding`) is a
+    product contiguous along its output's innermost axis with a reused row axis
+    (``common.is_column_reduction``, ``reused_row_axis``) and whose other blocks are elementwise
+    stages after it; declines every other kernel."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
         found = inlined_blocks(self, func, target, keep=is_padding)
@@ -65,7 +66,7 @@ class Product(CPUScheduleRule):
             return None
         sch, blocks = found
         if any(is_kept(sch, info.block_rv) for info in blocks):
-            return None  # stages laid out by the kernel's author (rlx conv2d gradients): the fallback's
+            return None  # stages laid out by the kernel's author (rlx conv2d gradients): block by block
         # Padding stays a pass of its own: inlined, every tap of the product paid a bounds check
         # (conv2d forward at N32 C32 16x16: 5.7 GFLOP/s, its weight gradient 29 on a busy machine).
         prologues = []
@@ -100,7 +101,7 @@ class Product(CPUScheduleRule):
                     sch.compute_inline(accumulate)
                 except s_tir.ScheduleError:
                     pass
-        except s_tir.ScheduleError:
+        except tvm.error.TVMError:  # schedule errors among them: the rule does not fit
             return None
         return sch
 
