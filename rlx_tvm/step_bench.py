@@ -251,7 +251,7 @@ def step_flops(step: CompiledStep) -> float:
         if isinstance(f, tvm.tirx.PrimFunc):
             try:
                 total += float(estimate_tir_flops(tvm.IRModule({"main": f})))
-            except tvm.error.TVMError:
+            except RuntimeError:  # TVM reports its errors as RuntimeError
                 pass
     return total
 

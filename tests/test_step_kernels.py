@@ -37,7 +37,7 @@ def _flops(func: tirx.PrimFunc) -> float:
     """TVM's estimate; for TIR it cannot analyse, the elements of the largest parameter."""
     try:
         return float(estimate_tir_flops(tvm.IRModule({"main": func})))
-    except tvm.error.TVMError:
+    except RuntimeError:  # TVM reports its errors as RuntimeError
         return float(max((np.prod([int(d) for d in p.ty.shape]) for p in func.params if hasattr(p.ty, "shape")),
                          default=0))
 

@@ -101,7 +101,7 @@ class Product(CPUScheduleRule):
                     sch.compute_inline(accumulate)
                 except s_tir.ScheduleError:
                     pass
-        except tvm.error.TVMError:  # schedule errors among them: the rule does not fit
+        except RuntimeError:  # TVM reports schedule errors (and its other errors) as RuntimeError
             return None
         return sch
 
