@@ -13,12 +13,13 @@ from ..kernels.annotations import KEEP_STAGE, is_kept  # noqa: F401 (re-exported
 from ..target import has_avx512, target_cores, vector_bits, vector_lanes, vector_registers  # noqa: F401 (re-exported)
 
 
-def try_inline(sch: s_tir.Schedule, blocks: list) -> list:
+def try_inline(sch: s_tir.Schedule, blocks: list, keep=None) -> list:
     """dlight's ``try_inline`` (inline, then reverse-inline, until nothing changes), leaving the
-    blocks annotated with :data:`KEEP_STAGE` in place."""
+    blocks annotated with :data:`KEEP_STAGE` in place, and those for which ``keep(sch, block)``
+    holds."""
     while True:
         for i, info in enumerate(blocks):
-            if is_kept(sch, info.block_rv):
+            if is_kept(sch, info.block_rv) or (keep is not None and keep(sch, info.block_rv)):
                 continue
             try:
                 sch.compute_inline(info.block_rv)
@@ -33,10 +34,11 @@ def try_inline(sch: s_tir.Schedule, blocks: list) -> list:
             return blocks
 
 
-def inlined_blocks(rule, func, target) -> tuple[s_tir.Schedule, list] | None:
+def inlined_blocks(rule, func, target, keep=None) -> tuple[s_tir.Schedule, list] | None:
     """For a dlight ``rule`` applied to ``func``: a schedule of ``func`` with its injective stages
-    inlined, and the remaining blocks (dlight's block infos); None when ``func`` is not a PrimFunc,
-    the rule does not serve ``target``, or dlight cannot normalize the function."""
+    inlined (but those ``keep`` names, see :func:`try_inline`), and the remaining blocks (dlight's
+    block infos); None when ``func`` is not a PrimFunc, the rule does not serve ``target``, or dlight
+    cannot normalize the function."""
     if not isinstance(func, tirx.PrimFunc) or not rule.is_target_available(target):
         return None
     sch = s_tir.Schedule(func)
@@ -44,7 +46,7 @@ def inlined_blocks(rule, func, target) -> tuple[s_tir.Schedule, list] | None:
     if blocks is None:
         return None
     if len(blocks) > 1:
-        blocks = try_inline(sch, blocks)
+        blocks = try_inline(sch, blocks, keep)
     return sch, blocks
 
 

@@ -1,6 +1,6 @@
 """Software prefetch of the next row in row kernels (CPU, LLVM targets).
 
-A row kernel scheduled by :class:`~rlx_tvm.schedules.cpu.ParallelFallback` runs all its passes
+A row kernel scheduled by :class:`~rlx_tvm.schedules.cpu.RowKernel` runs all its passes
 over one row back to back inside a parallel loop over the rows (softmax-CE backward: the row max,
 ``exp(z - max)``, the row sum, the gradient). Only the first pass streams the row in from memory and
 only the last streams it out; in between the core computes on cached data and issues no memory
