@@ -9,6 +9,7 @@ computed as torch computes them (biased variance to normalize, unbiased variance
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -73,14 +74,25 @@ def export(module: torch.nn.Module, inputs: tuple, dynamic_batch: bool | None, w
     attempts = ([True] if dynamic_batch else [True, False] if dynamic_batch is None and can_be_dynamic else [False])
     error = None
     for dynamic in attempts:
-        batch = torch.export.Dim("batch")
-        shapes = tuple({0: batch} for _ in inputs) if dynamic else None
+        shapes = _batch_dynamic_shapes(module, inputs) if dynamic else None
         try:
             return torch.export.export(module, inputs, dynamic_shapes=shapes), dynamic
         except Exception as err:  # torch raises many types (UserError, Unsupported, RuntimeError, ...)
             error = err
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise ValueError(f"rlx_tvm.torch: torch.export could not export {what} ({type(error).__name__}: {first})") from error
+
+
+def _batch_dynamic_shapes(module, inputs) -> dict:
+    """torch.export's ``dynamic_shapes`` with dim 0 of every input one shared ``Dim``, keyed by the
+    forward's parameter names (a ``*args`` parameter gets a tuple)."""
+    batch = torch.export.Dim("batch")
+    bound = inspect.signature(module.forward).bind(*inputs)
+    shapes = {}
+    for name, value in bound.arguments.items():
+        kind = inspect.signature(module.forward).parameters[name].kind
+        shapes[name] = tuple({0: batch} for _ in value) if kind is inspect.Parameter.VAR_POSITIONAL else {0: batch}
+    return shapes
 
 
 def _batch_norm_nodes(ep, names) -> list[tuple[str | None, str | None, float | None]]:
@@ -147,8 +159,8 @@ class _BatchNormStatsAsParams(relax.PyExprMutator):
 
 def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str) -> Imported:
     """Import ``ep`` with parameters (and batch-norm statistics) as inputs. ``main`` returns the
-    loss/output (the importer's one-element tuple unwrapped), followed in training mode by the
-    new running statistics."""
+    loss/output (the importer's one-element tuple unwrapped); in training mode with batch-norm
+    running statistics, a tuple of the loss and the new statistics."""
     ep = ep.run_decompositions()
     nodes = _batch_norm_nodes(ep, (_BN_TRAIN,) if training else _BN_EVAL)
     for mean, var, momentum in nodes:
@@ -196,7 +208,7 @@ def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str
     ret_ty = f.body.body.ty
     if not isinstance(ret_ty, relax.TupleType) or len(ret_ty.fields) != 1:
         raise ValueError(f"rlx_tvm.torch: {what} expected to return one tensor, got {ret_ty}")
-    if training:
+    if updates:
         out = relax.Tuple([first] + list(updates))
         out_ty = relax.TupleType([ret_ty.fields[0]] + [u.ty for u in updates])
     else:

@@ -40,7 +40,7 @@ def _build_train_step(imp: Imported, trainable: list[bool], opt: Optimizer) -> t
         with bb.dataflow():
             res = bb.emit(relax.Call(mod.get_global_var("main_adjoint"), inputs + params + buffers))
             primal = bb.emit(relax.TupleGetItem(res, 0))
-            loss = bb.emit(relax.TupleGetItem(primal, 0))
+            loss = bb.emit(relax.TupleGetItem(primal, 0)) if buffers else primal
             new_buffers = [bb.emit(relax.TupleGetItem(primal, 1 + i)) for i in range(len(buffers))]
             grads_t = bb.emit(relax.TupleGetItem(res, 1))
             grads = [bb.emit(relax.TupleGetItem(grads_t, i)) for i in range(len(wrt))]
@@ -57,11 +57,10 @@ def _build_train_step(imp: Imported, trainable: list[bool], opt: Optimizer) -> t
                                               relax.Tuple(new_buffers), relax.Tuple(new_states)]))
         bb.emit_func_output(out)
     mod = bb.get()
-    mod["main_adjoint"] = adjoint.without_attr("global_symbol")
-    mod = relax.transform.InlinePrivateFunctions()(mod)
-    keep = {"train_step"}
-    mod = tvm.IRModule({gv: fn for gv, fn in mod.functions.items() if gv.name_hint in keep})
-    return relax.transform.DeadCodeElimination()(mod)
+    # The adjoint stays a callee: TVM 0.27's InlinePrivateFunctions loses the symbolic batch dim in
+    # the shapes Gradient writes (R.shape([n]) gets an unbound copy of n).
+    mod = tvm.IRModule({gv: fn for gv, fn in mod.functions.items() if gv.name_hint != "main"})
+    return relax.transform.DeadCodeElimination(["train_step"])(mod)
 
 
 def _missing_gradient(err: Exception) -> str:
