@@ -157,6 +157,25 @@ class _BatchNormStatsAsParams(relax.PyExprMutator):
         return relax.Call(call.op, args, call.attrs, call.sinfo_args)
 
 
+@relax.expr_functor.mutator
+class _FoldTupleGetItem(relax.PyExprMutator):
+    """``t = (a, b); c = t[0]`` becomes ``c = a``. The importer builds such tuples (max-pool's
+    (values, indices), batch norm's five outputs) and Gradient fails on the unused fields
+    ("key is not in Map")."""
+
+    def visit_tuple_getitem_(self, op):
+        op = super().visit_tuple_getitem_(op)
+        value = op.tuple_value
+        bound = self.lookup_binding(value) if isinstance(value, relax.Var) else None
+        return bound.fields[op.index] if isinstance(bound, relax.Tuple) else op
+
+
+def _simplify(f: relax.Function) -> relax.Function:
+    mod = tvm.IRModule({"main": f})
+    mod["main"] = _FoldTupleGetItem().visit_expr(f)
+    return relax.transform.DeadCodeElimination(["main"])(mod)["main"]
+
+
 def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str) -> Imported:
     """Import ``ep`` with parameters (and batch-norm statistics) as inputs. ``main`` returns the
     loss/output (the importer's one-element tuple unwrapped); in training mode with batch-norm
@@ -173,7 +192,7 @@ def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"rlx_tvm.torch: TVM's from_exported_program could not import {what} "
                          f"({type(err).__name__}: {first})") from err
-    f = mod["main"]
+    f = _simplify(mod["main"])
     to_param = ep.graph_signature.inputs_to_parameters
     params = [to_param[v.name] for v in f.params[num_inputs:]]
     tracked = [(m, v, mom) for m, v, mom in nodes if m is not None and v is not None]

@@ -215,6 +215,41 @@ def _compile_evaluate(step: TrainStep):
     return relax.VirtualMachine(ex, step.device), _Signature(inputs, dynamic, "TrainStep.evaluate"), len(imp.params)
 
 
+def _trace(model, module, example_inputs, dynamic_batch, what) -> Imported:
+    """Export ``module`` in train mode, check that it returns a float scalar, import it."""
+    was_training = model.training
+    model.train()
+    try:
+        ep, dynamic = export(module, example_inputs, dynamic_batch, what)
+    finally:
+        model.train(was_training)
+    out = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
+    val = out[0].meta.get("val") if isinstance(out, (tuple, list)) and len(out) == 1 else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 0:
+        got = f"a tensor of shape {tuple(val.shape)}" if isinstance(val, torch.Tensor) else \
+            f"{len(out) if isinstance(out, (tuple, list)) else 1} outputs"
+        raise ValueError(f"rlx_tvm.torch.compile_train_step: the loss of {what} expected a scalar (0-d tensor), got {got}")
+    if not val.dtype.is_floating_point:
+        raise ValueError(f"rlx_tvm.torch.compile_train_step: the loss of {what} expected a floating-point scalar, "
+                         f"got dtype {val.dtype}")
+    return import_program(ep, len(example_inputs), training=True, dynamic=dynamic, what=what)
+
+
+def _symbolic_shape_args(f: relax.Function) -> bool:
+    """Whether an op of ``f`` takes a shape argument with a symbolic dim (``reshape(x, (n, 12))``):
+    TVM 0.27's Gradient fails on those ("key is not in Map")."""
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call):
+            for a in e.args:
+                if isinstance(a, relax.ShapeExpr) and any(not isinstance(v, tvm.tirx.IntImm) for v in a.values):
+                    found.append(e)
+
+    relax.analysis.post_order_visit(f, visit)
+    return bool(found)
+
+
 def compile_train_step(model: torch.nn.Module, example_inputs, loss=None, optimizer: Optimizer | None = None,
                        target=None, dynamic_batch: bool | None = None) -> TrainStep:
     """Compile one training step of ``model`` for ``target`` (default: this CPU).
@@ -245,22 +280,13 @@ def compile_train_step(model: torch.nn.Module, example_inputs, loss=None, optimi
     target = as_target(cpu_target() if target is None else target)
     what = f"model {type(model).__name__}" + (" with its loss" if loss is not None else "")
     module = _WithLoss(model, loss) if loss is not None else model
-    was_training = model.training
-    model.train()
-    try:
-        ep, dynamic = export(module, example_inputs, dynamic_batch, what)
-    finally:
-        model.train(was_training)
-    out = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
-    val = out[0].meta.get("val") if isinstance(out, (tuple, list)) and len(out) == 1 else None
-    if not isinstance(val, torch.Tensor) or val.dim() != 0:
-        got = f"a tensor of shape {tuple(val.shape)}" if isinstance(val, torch.Tensor) else \
-            f"{len(out) if isinstance(out, (tuple, list)) else 1} outputs"
-        raise ValueError(f"rlx_tvm.torch.compile_train_step: the loss of {what} expected a scalar (0-d tensor), got {got}")
-    if not val.dtype.is_floating_point:
-        raise ValueError(f"rlx_tvm.torch.compile_train_step: the loss of {what} expected a floating-point scalar, "
-                         f"got dtype {val.dtype}")
-    imp = import_program(ep, len(example_inputs), training=True, dynamic=dynamic, what=what)
+    imp = _trace(model, module, example_inputs, dynamic_batch, what)
+    if imp.dynamic_batch and _symbolic_shape_args(imp.mod["main"]):
+        if dynamic_batch:
+            raise ValueError(f"rlx_tvm.torch.compile_train_step: dynamic_batch=True expected {what} to use the batch "
+                             "dim only in tensor shapes, got batch-dependent shape arguments (reshape/broadcast "
+                             "targets) that TVM 0.27's Gradient pass cannot differentiate; use dynamic_batch=None")
+        imp = _trace(model, module, example_inputs, False, what)
     prefix = "model." if loss is not None else ""
     imp.params = [n[len(prefix):] if n.startswith(prefix) else n for n in imp.params]
     imp.buffers = [n[len(prefix):] if n.startswith(prefix) else n for n in imp.buffers]
