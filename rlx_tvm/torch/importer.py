@@ -154,7 +154,7 @@ class _BatchNormStatsAsParams(relax.PyExprMutator):
         args[3], args[4] = mean_in, var_in
         if self.training:
             self.updates.extend(_stats_update(self.builder_, args[0], mean_in, var_in, momentum))
-        return relax.Call(call.op, args, call.attrs, call.sinfo_args)
+        return relax.Call(call.op, args, call.attrs, call.ty_args)
 
 
 @relax.expr_functor.mutator

@@ -235,6 +235,17 @@ def _trace(model, module, example_inputs, dynamic_batch, what) -> Imported:
     return import_program(ep, len(example_inputs), training=True, dynamic=dynamic, what=what)
 
 
+def _rename(imp: Imported, loss) -> Imported:
+    """State-dict names of the user's model (without the loss wrapper's ``model.`` prefix)."""
+    prefix = "model." if loss is not None else ""
+    strip = lambda n: n[len(prefix):] if n.startswith(prefix) else n  # noqa: E731
+    imp.params = [strip(n) for n in imp.params]
+    imp.buffers = [strip(n) for n in imp.buffers]
+    for bn in imp.batch_norms:
+        bn.mean, bn.var = strip(bn.mean), strip(bn.var)
+    return imp
+
+
 def _symbolic_shape_args(f: relax.Function) -> bool:
     """Whether an op of ``f`` takes a shape argument with a symbolic dim (``reshape(x, (n, 12))``):
     TVM 0.27's Gradient fails on those ("key is not in Map")."""
@@ -258,8 +269,10 @@ def compile_train_step(model: torch.nn.Module, example_inputs, loss=None, optimi
     ``loss(output, target) -> scalar`` (e.g. ``torch.nn.functional.cross_entropy``), or the
     model's inputs when ``loss`` is None and the model's forward returns the loss. ``optimizer``:
     :class:`SGD` (default, lr=1e-3) or :class:`AdamW`. ``dynamic_batch``: True makes the first dim
-    of every input symbolic (one compile serves any batch size), None tries that and falls back to
-    the example's shapes when torch.export cannot, False keeps the example's shapes.
+    of every input symbolic (one compile serves any batch size); None tries that and falls back to
+    the example's shapes where torch.export or TVM 0.27's Gradient cannot (batch-dependent reshape
+    and broadcast targets, some gradient rules); False keeps the example's shapes. ``step.dynamic_batch``
+    says which one was built.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"rlx_tvm.torch.compile_train_step: argument 'model' expected a torch.nn.Module, "
@@ -281,22 +294,21 @@ def compile_train_step(model: torch.nn.Module, example_inputs, loss=None, optimi
     what = f"model {type(model).__name__}" + (" with its loss" if loss is not None else "")
     module = _WithLoss(model, loss) if loss is not None else model
     imp = _trace(model, module, example_inputs, dynamic_batch, what)
-    if imp.dynamic_batch and _symbolic_shape_args(imp.mod["main"]):
-        if dynamic_batch:
-            raise ValueError(f"rlx_tvm.torch.compile_train_step: dynamic_batch=True expected {what} to use the batch "
-                             "dim only in tensor shapes, got batch-dependent shape arguments (reshape/broadcast "
-                             "targets) that TVM 0.27's Gradient pass cannot differentiate; use dynamic_batch=None")
-        imp = _trace(model, module, example_inputs, False, what)
-    prefix = "model." if loss is not None else ""
-    imp.params = [n[len(prefix):] if n.startswith(prefix) else n for n in imp.params]
-    imp.buffers = [n[len(prefix):] if n.startswith(prefix) else n for n in imp.buffers]
-    for bn in imp.batch_norms:
-        bn.mean, bn.var = bn.mean[len(prefix):], bn.var[len(prefix):]
+    if imp.dynamic_batch and dynamic_batch is None and _symbolic_shape_args(imp.mod["main"]):
+        imp = _trace(model, module, example_inputs, False, what)  # known to fail in Gradient: skip the try
+    imp = _rename(imp, loss)
     named = dict(model.named_parameters())
     trainable = [named[n].requires_grad if n in named else True for n in imp.params]
     if not any(trainable):
         raise ValueError(f"rlx_tvm.torch.compile_train_step: {what} expected parameters that require grad, got none")
-    mod = _build_train_step(imp, trainable, optimizer)
+    try:
+        mod = _build_train_step(imp, trainable, optimizer)
+    except ValueError:
+        if not (imp.dynamic_batch and dynamic_batch is None):
+            raise
+        # Some gradient rules need static shapes: the example's batch size then.
+        imp = _rename(_trace(model, module, example_inputs, False, what), loss)
+        mod = _build_train_step(imp, trainable, optimizer)
     ex = rlx_compile(mod, target, verbose=False)
     device = tvm.device(target.get_target_device_type() if hasattr(target, "get_target_device_type")
                         else target.kind.name, 0)
