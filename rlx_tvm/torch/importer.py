@@ -52,6 +52,7 @@ class Imported:
     buffers: list[str]
     batch_norms: list[BatchNormStats] = field(default_factory=list)
     dynamic_batch: bool = False
+    program: object = None  # the torch.export program (for error messages)
 
 
 def _describe(x) -> str:
@@ -234,7 +235,52 @@ def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str
         out, out_ty = first, ret_ty.fields[0]
     f = relax.Function(f.params, relax.SeqExpr(f.body.blocks, out), out_ty, f.is_pure, f.attrs)
     mod = relax.transform.Normalize()(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}))
-    return Imported(mod, num_inputs, params, buffers, nodes and [BatchNormStats(*n) for n in nodes] or [], dynamic)
+    return Imported(mod, num_inputs, params, buffers, [BatchNormStats(*n) for n in nodes], dynamic, ep)
+
+
+# torch (core ATen) ops the importer maps onto a Relax op whose name does not say so.
+_ATEN_FOR = {
+    "strided_slice": ("slice", "split", "chunk", "narrow", "select", "unbind"),
+    "batch_norm": ("_native_batch_norm",),
+    "take": ("embedding", "index_select", "index"),
+    "gather_elements": ("gather",),
+    "scatter_elements": ("scatter",),
+    "conv1d": ("convolution",), "conv2d": ("convolution",), "conv3d": ("convolution",),
+    "conv2d_transpose": ("convolution",), "conv1d_transpose": ("convolution",),
+    "attention": ("scaled_dot_product",),
+    "concat": ("cat",), "permute_dims": ("permute", "transpose"),
+}
+
+
+def torch_sources(ep, relax_op: str, limit: int = 3) -> list[str]:
+    """Where the model calls the torch ops that import as ``relax_op``: module path and type, and
+    the model's source line, from the exported program's node metadata."""
+    short = relax_op.rsplit(".", 1)[-1]
+    names = _ATEN_FOR.get(short, (short,))
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    found = []
+    for node in ep.graph.nodes:
+        target = getattr(node.target, "__name__", "")
+        if node.op != "call_function" or not any(target.startswith(n) for n in names):
+            continue
+        where = ""
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            path, kind = list(stack.values())[-1]
+            kind = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
+            where = f"{path.removeprefix('L__self__').strip('.') or 'model'} ({kind})"
+        lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+        frames = [(lines[i].strip(), lines[i + 1].strip()) for i in range(len(lines) - 1)
+                  if lines[i].strip().startswith("File ") and torch_dir not in lines[i]]
+        if frames:
+            head, code = frames[-1]
+            where += f" at {head.removeprefix('File ')}: {code}"
+        text = f"torch op {target}" + (f" in {where}" if where else "")
+        if text not in found:
+            found.append(text)
+        if len(found) == limit:
+            break
+    return found
 
 
 def _calls(f):

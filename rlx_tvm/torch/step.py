@@ -10,7 +10,7 @@ from tvm import relax
 from .. import autodiff
 from ..build import compile as rlx_compile
 from ..target import as_target, cpu_target
-from .importer import Imported, _WithLoss, _describe, export, import_program
+from .importer import Imported, _WithLoss, _describe, export, import_program, torch_sources
 from .optim import SGD, Optimizer
 
 __all__ = ["compile_train_step", "TrainStep"]
@@ -25,7 +25,7 @@ def _build_train_step(imp: Imported, trainable: list[bool], opt: Optimizer) -> t
     try:
         mod = autodiff.grad(imp.mod, "main", wrt=wrt, target_index=0)
     except autodiff.AutodiffError as err:
-        raise ValueError(f"rlx_tvm.torch: cannot differentiate the model's loss: {_missing_gradient(err)}") from err
+        raise ValueError(f"rlx_tvm.torch: cannot differentiate the model's loss: {_missing_gradient(err, imp)}") from err
     adjoint = mod["main_adjoint"]
     bb = relax.BlockBuilder(mod)
     copy = lambda v: relax.Var(v.name, v.ty)  # noqa: E731
@@ -63,12 +63,14 @@ def _build_train_step(imp: Imported, trainable: list[bool], opt: Optimizer) -> t
     return relax.transform.DeadCodeElimination(["train_step"])(mod)
 
 
-def _missing_gradient(err: Exception) -> str:
+def _missing_gradient(err: Exception, imp: Imported) -> str:
     text = str(err)
     marker = "FPrimalGradient has not been registered for "
     if marker in text:
         op = text.split(marker, 1)[1].split()[0].strip("`'\".,")
-        return f"the op {op} has no gradient rule (rlx_tvm.gradients / relax.op.register_gradient)"
+        sources = torch_sources(imp.program, op) if imp.program is not None else []
+        return (f"the op {op} has no gradient rule (rlx_tvm.gradients / relax.op.register_gradient)"
+                + (f"; it comes from {'; '.join(sources)}" if sources else ""))
     return text.strip().splitlines()[-1] if text.strip() else type(err).__name__
 
 
