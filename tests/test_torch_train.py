@@ -390,3 +390,15 @@ def test_tvm_setup_trainer_matches_torch(name):
     for k, v in trainer.export_params().items():
         _assert_close(v.numpy(), params[k], f"{name}: {k} after 5 steps", torch.float32)
     assert math.isfinite(float(loss))
+
+
+def test_example_trains_and_agrees_with_torch(capsys):
+    from rlx_tvm.examples import torch_train
+
+    code = torch_train.main(["--steps", "3", "--batch", "4", "--seq", "8", "--d-model", "16", "--heads", "2",
+                             "--layers", "1", "--check-steps", "3", "--target", '{"kind": "llvm", "opt-level": 0}'])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "losses agree over the first 3 steps" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 3]
