@@ -148,9 +148,11 @@ class _BatchNormStatsAsParams(relax.PyExprMutator):
         call = super().visit_call_(call)
         if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.nn.batch_norm"):
             return call
-        mean_in, var_in = self.stats_vars[self.index]
-        momentum = self.momenta[self.index]
+        pair, momentum = self.stats_vars[self.index], self.momenta[self.index]
         self.index += 1
+        if pair is None:  # no running statistics (track_running_stats=False)
+            return call
+        mean_in, var_in = pair
         args = list(call.args)
         args[3], args[4] = mean_in, var_in
         if self.training:
@@ -184,7 +186,7 @@ def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str
     ep = ep.run_decompositions()
     nodes = _batch_norm_nodes(ep, (_BN_TRAIN,) if training else _BN_EVAL)
     for mean, var, momentum in nodes:
-        if training and momentum is None:
+        if training and momentum is None and mean is not None:
             raise ValueError(f"rlx_tvm.torch: {what}: BatchNorm with momentum=None (cumulative average) expected a "
                              "float momentum, got None")
     try:
@@ -196,14 +198,12 @@ def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str
     f = _simplify(mod["main"])
     to_param = ep.graph_signature.inputs_to_parameters
     params = [to_param[v.name] for v in f.params[num_inputs:]]
-    tracked = [(m, v, mom) for m, v, mom in nodes if m is not None and v is not None]
-    if len(tracked) != len(nodes):
-        # BatchNorm without running statistics: nothing to carry between steps.
-        if training:
-            nodes = []
     buffers, stats_vars = [], []
     named_buffers = dict(ep.named_buffers())
     for mean, var, _ in nodes:
+        if mean is None or var is None:
+            stats_vars.append(None)
+            continue
         pair = []
         for name in (mean, var):
             b = named_buffers[name]
@@ -220,7 +220,8 @@ def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str
         mutator = _BatchNormStatsAsParams(stats_vars, training, [m for _, _, m in nodes])
         body = mutator.visit_expr(f.body)
         updates = mutator.updates
-        f = relax.Function(list(f.params) + [v for pair in stats_vars for v in pair], body, None, f.is_pure, f.attrs)
+        new_params = [v for pair in stats_vars if pair is not None for v in pair]
+        f = relax.Function(list(f.params) + new_params, body, None, f.is_pure, f.attrs)
     else:
         updates = []
     ret = f.body.body
@@ -235,7 +236,8 @@ def import_program(ep, num_inputs: int, training: bool, dynamic: bool, what: str
         out, out_ty = first, ret_ty.fields[0]
     f = relax.Function(f.params, relax.SeqExpr(f.body.blocks, out), out_ty, f.is_pure, f.attrs)
     mod = relax.transform.Normalize()(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}))
-    return Imported(mod, num_inputs, params, buffers, [BatchNormStats(*n) for n in nodes], dynamic, ep)
+    stats = [BatchNormStats(*n) for n in nodes if n[0] is not None and n[1] is not None]
+    return Imported(mod, num_inputs, params, buffers, stats, dynamic, ep)
 
 
 # torch (core ATen) ops the importer maps onto a Relax op whose name does not say so.

@@ -181,7 +181,7 @@ class TrainStep:
         """The model's output (eval mode, no gradients) with the current weights, as numpy."""
         if self._eval is None:
             self._eval = _compile_evaluate(self)
-        vm, sig, n_params = self._eval
+        vm, sig = self._eval
         arrays = sig.check(inputs)
         out = vm["forward"](*[self._tensor(a) for a in arrays], *self._params, *self._eval_buffers())
         return out.numpy()
@@ -214,7 +214,7 @@ def _compile_evaluate(step: TrainStep):
     mod = tvm.IRModule({"forward": imp.mod["main"].with_attr("global_symbol", "forward")})
     ex = rlx_compile(mod, step.target, verbose=False)
     step._eval_buffer_names = imp.buffers
-    return relax.VirtualMachine(ex, step.device), _Signature(inputs, dynamic, "TrainStep.evaluate"), len(imp.params)
+    return relax.VirtualMachine(ex, step.device), _Signature(inputs, dynamic, "TrainStep.evaluate")
 
 
 def _trace(model, module, example_inputs, dynamic_batch, what) -> Imported:
