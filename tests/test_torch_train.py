@@ -364,6 +364,8 @@ def _setup_trainer_case(optimizer):
     backbone = bb.get().with_attr("param_num", 5).with_attr("state_num", 0)
     trainer_mod = SetupTrainer(CrossEntropyLoss(reduction="mean"), optimizer,
                                [T([B, C], "float32"), T([B], "int64")])(backbone)
+    # Its gradient is built with the rlx rules (gelu's fused backward kernel).
+    assert "rlx_gelu_backward" in {gv.name_hint for gv in trainer_mod.get_global_vars()}
     ex = rlx_tvm.compile(trainer_mod, TARGET, verbose=False)
     return relax.training.Trainer(trainer_mod, relax.VirtualMachine(ex, tvm.cpu()), tvm.cpu(), False)
 
