@@ -8,5 +8,6 @@ gradient of TVM's own, so a future TVM that ships one keeps it.
 
 from ..overrides import fill_gradient, has_gradient, override_gradient
 from . import attention, elementwise, nn, reduce, scatter, shape  # noqa: F401  (registration on import)
+from . import attention_bias, nn3d, nn_extra, pointwise, slicing, tensor_ops  # noqa: F401  (importer coverage, registered at the project level)
 
 __all__ = ["fill_gradient", "has_gradient", "override_gradient"]

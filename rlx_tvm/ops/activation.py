@@ -265,7 +265,9 @@ def _activation_backward_fused(bb, x, dy, *, kind):
 # --------------------------------------------------------------------------------------------
 
 # Relax elementwise op -> kind. Level 20 overrides TVM's level-10 rules where it has one (its
-# relu rule passes dy at x == 0, PyTorch gives 0).
+# relu rule passes dy at x == 0, PyTorch gives 0). relax.round is not mapped to the
+# straight-through "round" kind: as a Relax primitive (torch.round imported) its derivative is 0,
+# as in PyTorch; the estimator belongs to the ops that want it (fake_quantize).
 RELAX_ACTIVATIONS = {
     "relax.nn.relu": "relu",
     "relax.nn.gelu": "gelu",
@@ -283,7 +285,6 @@ RELAX_ACTIVATIONS = {
     "relax.tan": "tan",
     "relax.atan": "atan",
     "relax.erf": "erf",
-    "relax.round": "round",
     "relax.floor": "floor",
     "relax.ceil": "ceil",
     "relax.sign": "sign",
