@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import tvm
 from tvm import relax
 
-from rlx_tvm.ops import OpError, get_op
-
-MATRIX = [
-    pytest.param(d, s, p, id=f"{d}-{s}-{p}")
-    for d in ("float32", "float64")
-    for s in ("static", "symbolic")
-    for p in ("fused", "decomposed")
-]
+from rlx_tvm.ops import OpError
+from rlx_tvm.testing import run_cases
 
 
 def tensor_var(name, shape, dtype="float32"):
@@ -46,10 +38,27 @@ def assert_op_error(build, op: str, arg: str, *fragments: str):
     return msg
 
 
-def away_from(rng, shape, lo, hi, kinks, margin=0.05):
-    """Uniform samples in [lo, hi] at least ``margin`` from every kink."""
-    x = rng.uniform(lo, hi, size=shape)
-    for k in kinks:
-        close = np.abs(x - k) < margin
-        x[close] = k + np.sign(x[close] - k + 1e-12) * margin * 2
-    return x
+class CaseGroups:
+    """Named groups of hand-made cases a test module checks through both paths, all compiled
+    together: one module per (dtype, path) holding every group declared for that dtype.
+
+    ``groups`` maps a name to ``(cases, dtypes)``; :meth:`outputs` returns ``{path: outputs}``
+    of one group, in its cases' order."""
+
+    PATHS = ("fused", "decomposed")
+
+    def __init__(self, groups):
+        self.groups = groups
+        self._runs = {}
+
+    def outputs(self, name, dtype="float64"):
+        cases, dtypes = self.groups[name]
+        assert dtype in dtypes, (name, dtype)
+        return {path: self._run(dtype, path)[name] for path in self.PATHS}
+
+    def _run(self, dtype, path):
+        if (dtype, path) not in self._runs:
+            chosen = {n: cases for n, (cases, dtypes) in self.groups.items() if dtype in dtypes}
+            outs = iter(run_cases([c for cases in chosen.values() for c in cases], dtype, symbolic=False, path=path))
+            self._runs[dtype, path] = {n: [next(outs) for _ in cases] for n, cases in chosen.items()}
+        return self._runs[dtype, path]

@@ -1,55 +1,18 @@
+"""relu_backward and activation_backward: the SPEC §8 edge cases through both paths, and bad input.
+Values on the samples (rlx_tvm.testing.samples.activation) are checked by tests/test_ops.py."""
+
+import math
+
 import numpy as np
-import pytest
 
-from rlx_tvm.ops.activation import ACTIVATIONS
-from rlx_tvm.testing import Case, check_cases, check_finite_differences, run_cases
-
-from .helpers import MATRIX, assert_op_error, away_from, tensor_var
 from rlx_tvm import ops
+from rlx_tvm.ops.activation import ACTIVATIONS
+from rlx_tvm.testing import Case
+from rlx_tvm.testing.samples import family
 
-RNG = np.random.default_rng(1)
+from .helpers import CaseGroups, assert_op_error, tensor_var
 
-
-def _fd_forward(kind):
-    f = ACTIVATIONS[kind].forward
-    return lambda x: f(x)
-
-
-def _cases():
-    cases = []
-    for kind, act in ACTIVATIONS.items():
-        lo, hi = act.domain
-        x = away_from(RNG, (3, 8), lo, hi, act.kinks)
-        dy = RNG.standard_normal((3, 8))
-        cases.append(
-            Case(
-                "activation_backward",
-                {"x": x, "dy": dy},
-                {"kind": kind},
-                batch={"x": 0, "dy": 0},
-                label=f"activation_backward[{kind}]",
-                forward=_fd_forward(kind) if act.matches_forward else None,
-                wrt="x",
-            )
-        )
-    x = away_from(RNG, (2, 3, 5), -2, 2, (0.0,))
-    cases.append(
-        Case("relu_backward", {"x": x, "dy": RNG.standard_normal(x.shape)}, batch={"x": 1, "dy": 1},
-             forward=ACTIVATIONS["relu"].forward, wrt="x")
-    )
-    return cases
-
-
-CASES = _cases()
-
-
-@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
-def test_matches_reference(dtype, shape_mode, path):
-    check_cases(CASES, dtype, symbolic=shape_mode == "symbolic", path=path)
-
-
-def test_finite_differences():
-    check_finite_differences(CASES)
+CASES = family("activation").CASES
 
 
 def test_every_kind_is_covered():
@@ -66,24 +29,40 @@ def test_every_kind_is_covered():
 # -- SPEC §8 traps ------------------------------------------------------------------------------
 
 
-def _edge_outputs(kind_inputs, dtype="float64"):
-    """Run relu_backward / activation_backward on hand-made inputs through both paths."""
-    cases = [
+# The hand-made inputs of the edge-case tests.
+ZERO_X, ZERO_DY = np.array([0.0, 0.0, 0.0, 1.0, -1.0]), np.array([1.0, -2.0, 3.0, 1.0, 1.0])
+ZERO_KINDS = ["relu_backward", "relu", "abs", "sqrt", "rsqrt"]
+ROUND_X, ROUND_DY = np.array([-1.5, -0.4, 0.0, 0.49, 2.5, 3.7]), np.array([1.0, 2.0, -3.0, 4.0, 5.0, -6.0])
+GELU_X = np.linspace(-3, 3, 13)
+LARGE_X = np.array([-80.0, -30.0, -5.0, 5.0, 30.0, 80.0])
+LARGE_KINDS = ["gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "softplus", "mish", "log_sigmoid", "elu", "softsign"]
+
+
+def _calls(kind_inputs):
+    return [
         Case("activation_backward" if k != "relu_backward" else "relu_backward",
              {"x": x, "dy": dy}, {} if k == "relu_backward" else {"kind": k}, label=k)
         for k, x, dy in kind_inputs
     ]
-    return {p: run_cases(cases, dtype, symbolic=False, path=p) for p in ("fused", "decomposed")}
+
+
+# Every edge-case test's relu_backward / activation_backward calls, in one module per (dtype, path).
+EDGE = CaseGroups({
+    "zero": (_calls((k, ZERO_X, ZERO_DY) for k in ZERO_KINDS), ("float64",)),
+    "round": (_calls((k, ROUND_X, ROUND_DY) for k in ("round", "floor", "ceil", "sign")), ("float64",)),
+    "gelu": (_calls((k, GELU_X, np.ones_like(GELU_X)) for k in ("gelu", "gelu_tanh")), ("float64",)),
+    "large": (_calls((k, LARGE_X, np.ones_like(LARGE_X)) for k in LARGE_KINDS), ("float32", "float64")),
+})
+
+
+def _edge_outputs(group, dtype="float64"):
+    return EDGE.outputs(group, dtype)
 
 
 def test_zero_is_handled_explicitly():
     """relu, abs, sqrt, rsqrt at exactly 0: finite, and 0 (relu: PyTorch convention)."""
-    x = np.array([0.0, 0.0, 0.0, 1.0, -1.0])
-    dy = np.array([1.0, -2.0, 3.0, 1.0, 1.0])
-    kinds = ["relu_backward", "relu", "abs", "sqrt", "rsqrt"]
-    outs = _edge_outputs([(k, x, dy) for k in kinds])
-    for path, results in outs.items():
-        for k, out in zip(kinds, results):
+    for path, results in _edge_outputs("zero").items():
+        for k, out in zip(ZERO_KINDS, results):
             assert np.all(np.isfinite(out)), (path, k, out)
             assert np.all(out[:3] == 0.0), (path, k, out)
         relu_out = results[0]
@@ -93,37 +72,26 @@ def test_zero_is_handled_explicitly():
 
 
 def test_round_is_straight_through_and_floor_ceil_sign_are_zero():
-    x = np.array([-1.5, -0.4, 0.0, 0.49, 2.5, 3.7])
-    dy = np.array([1.0, 2.0, -3.0, 4.0, 5.0, -6.0])
-    outs = _edge_outputs([("round", x, dy), ("floor", x, dy), ("ceil", x, dy), ("sign", x, dy)])
-    for path, (rnd, flo, cei, sgn) in outs.items():
-        np.testing.assert_array_equal(rnd, dy, err_msg=path)
+    for path, (rnd, flo, cei, sgn) in _edge_outputs("round").items():
+        np.testing.assert_array_equal(rnd, ROUND_DY, err_msg=path)
         for z in (flo, cei, sgn):
-            np.testing.assert_array_equal(z, np.zeros_like(dy), err_msg=path)
+            np.testing.assert_array_equal(z, np.zeros_like(ROUND_DY), err_msg=path)
 
 
 def test_gelu_is_exact_erf_not_tanh_approximation():
-    x = np.linspace(-3, 3, 13)
-    dy = np.ones_like(x)
-    outs = _edge_outputs([("gelu", x, dy), ("gelu_tanh", x, dy)])
-    import math
-
+    x = GELU_X
     phi = np.array([0.5 * (1 + math.erf(v / math.sqrt(2))) for v in x])
     exact = phi + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
-    for path, (g, gt) in outs.items():
+    for path, (g, gt) in _edge_outputs("gelu").items():
         np.testing.assert_allclose(g, exact, rtol=1e-12, atol=1e-12, err_msg=path)
         assert np.max(np.abs(gt - exact)) > 1e-4  # the approximation really differs
 
 
 def test_no_nan_or_inf_where_derivative_is_finite():
     """Large |x| for the saturating kinds: no overflow to NaN."""
-    x = np.array([-80.0, -30.0, -5.0, 5.0, 30.0, 80.0])
-    dy = np.ones_like(x)
-    kinds = ["gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "softplus", "mish", "log_sigmoid", "elu", "softsign"]
     for dtype in ("float32", "float64"):
-        outs = _edge_outputs([(k, x, dy) for k in kinds], dtype)
-        for path, results in outs.items():
-            for k, out in zip(kinds, results):
+        for path, results in _edge_outputs("large", dtype).items():
+            for k, out in zip(LARGE_KINDS, results):
                 assert np.all(np.isfinite(out)), (dtype, path, k, out)
 
 

@@ -1,6 +1,9 @@
-import functools
+"""attention and attention_backward: the references vs an independent definition, every option
+covered, float16, the SPEC §8 traps through both paths (on the samples' outputs, checked against
+the references by tests/test_ops.py), autodiff of the decomposition, TVMScript, bad input, and the
+gradients computed together. The gradient rules are checked numerically by tests/test_gradients.py."""
+
 import importlib
-import math
 
 import numpy as np
 import pytest
@@ -9,190 +12,21 @@ from tvm import relax
 
 from rlx_tvm.ops import OpError, get_op
 from rlx_tvm.passes import DecomposeBackwardOps
-from rlx_tvm.testing import (
-    Case,
-    GradCase,
-    build_loss_module,
-    build_module,
-    compile_and_run,
-    compare,
-    check_finite_differences,
-    check_gradients,
-    check_nth_order,
-    check_second_order,
-    finite_difference_vjp,
+from rlx_tvm.testing import CHECK_TARGET, Case, build_loss_module, build_module, finite_difference_vjp, run_cases
+from rlx_tvm.testing.samples import output
+from rlx_tvm.testing.samples.attention import (
+    BY_NAME, CASES, OPTIONS, TRAP_VARIANTS, attention_inputs, attention_np, symbolic_batch,
 )
 
-from .helpers import MATRIX, assert_op_error, emit_call, tensor_var
+from .helpers import assert_op_error, emit_call, tensor_var
 
 # The builders (``rlx_tvm.ops.attention`` is the family's module, not the op).
 attention_op = get_op("attention")
 attention_backward_op = get_op("attention_backward")
 
 
-# -- the definition, written independently of rlx_tvm (SPEC §5) --------------------------------
-
-
-def attention_np(q, k, v, bias=None, *, causal_mask=None, window_size=None, scale=None, softcap=None):
-    """Row by row from the definition: which keys a query sees, then a softmax over those."""
-    B, Sq, H, D = q.shape
-    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    bias = np.zeros((B, H, Sq, Sk)) if bias is None else np.broadcast_to(bias, (B, H, Sq, Sk))
-    out = np.zeros((B, Sq, H, Dv))
-    for b in range(B):
-        for h in range(H):
-            kv = h // (H // Hkv)
-            for i in range(Sq):
-                pos = i + (Sk - Sq if causal_mask == "BottomRight" else 0)
-                keys = [
-                    j for j in range(Sk)
-                    if (causal_mask is None or j <= pos) and (window_size is None or j >= pos - window_size)
-                ]
-                if not keys:
-                    continue  # a fully masked row outputs 0
-                s = scale * (k[b, keys, kv] @ q[b, i, h])
-                if softcap is not None:
-                    s = softcap * np.tanh(s / softcap)
-                s = s + bias[b, h, i, keys]
-                p = np.exp(s - s.max())
-                out[b, i, h] = (p / p.sum()) @ v[b, keys, kv]
-    return out
-
-
-# -- cases ----------------------------------------------------------------------------------------
-
-
-def _dims(**over):
-    d = dict(B=2, Sq=3, Sk=4, H=2, Hkv=2, D=3, Dv=3)
-    d.update(over)
-    return d
-
-
-# Every option appears with the forward and each of wrt = q, k, v; several share a case so that
-# every function compiled counts (each costs a few hundred ms of LLVM time).
-# (label, dims, attrs, bias shape ("full" = [B, H, Sq, Sk]) or None, which dim is symbolic in the
-# symbolic-shape variant: "B", "Sq" or None for static only)
-OPTIONS = [
-    ("plain", _dims(), {}, None, "B"),
-    ("top_left+scale+bias[Sq,Sk]", _dims(Sq=3, Sk=5), {"causal_mask": "TopLeft", "scale": 0.37}, (3, 5), "B"),
-    ("bottom_right+softcap+bias+Dv", _dims(Sq=3, Sk=5, Dv=2), {"causal_mask": "BottomRight", "softcap": 0.7},
-     "full", "B"),
-    ("window+gqa+bias[1,H,1,Sk]", _dims(H=4, Hkv=2), {"window_size": 1}, (1, 4, 1, 4), None),
-    # A symbolic query length: the BottomRight offset Sk - Sq is symbolic too.
-    ("bottom_right+window+mqa+scale+softcap", _dims(Sq=3, Sk=5, H=3, Hkv=1),
-     {"causal_mask": "BottomRight", "window_size": 1, "scale": 1.3, "softcap": 1.1}, None, "Sq"),
-    ("top_left+window", _dims(Sq=4, Sk=3), {"causal_mask": "TopLeft", "window_size": 1}, None, None),
-    # BottomRight with Sq > Sk: queries 0 and 1 (absolute positions -2, -1) see no key.
-    ("fully_masked", _dims(Sq=4, Sk=2), {"causal_mask": "BottomRight"}, None, "B"),
-]
-# Same inputs as "plain" (same seed), other attributes: a gradient that ignored them would equal
-# plain's.
-TRAP_VARIANTS = [("scale", {"scale": 0.37}), ("softcap", {"softcap": 0.7})]
-
-
-def _inputs(dims, bias_shape, rng):
-    d = dims
-    ins = {
-        "q": rng.standard_normal((d["B"], d["Sq"], d["H"], d["D"])),
-        "k": rng.standard_normal((d["B"], d["Sk"], d["Hkv"], d["D"])),
-        "v": rng.standard_normal((d["B"], d["Sk"], d["Hkv"], d["Dv"])),
-        "dy": rng.standard_normal((d["B"], d["Sq"], d["H"], d["Dv"])),
-    }
-    if bias_shape == "full":
-        bias_shape = (d["B"], d["H"], d["Sq"], d["Sk"])
-    if bias_shape is not None:
-        ins["bias"] = rng.standard_normal(bias_shape)
-    return ins
-
-
-def _batch(ins, dim):
-    """Case.batch for a symbolic B (in every input that carries it; a broadcast bias keeps its 1)
-    or a symbolic Sq (q and dy; no bias)."""
-    if dim is None:
-        return None
-    if dim == "Sq":
-        assert "bias" not in ins
-        return {name: 1 for name in ("q", "dy") if name in ins}
-    spec = {name: 0 for name in ("q", "k", "v", "dy") if name in ins}
-    if "bias" in ins and ins["bias"].ndim == 4 and ins["bias"].shape[0] == ins["q"].shape[0]:
-        spec["bias"] = 0
-    return spec
-
-
-def _forward_fn(attrs):
-    return lambda q, k, v, bias=None: attention_np(q, k, v, bias, **attrs)
-
-
-def _op_cases(label, ins, attrs, symbolic_dim, wrts="qkv", forward=True, fd=True):
-    fwd_ins = {n: a for n, a in ins.items() if n != "dy"}
-    cases = []
-    if forward:
-        cases.append(Case("attention", fwd_ins, attrs, batch=_batch(fwd_ins, symbolic_dim), label=f"attention[{label}]"))
-    cases += [
-        Case("attention_backward", ins, {"wrt": w, **attrs}, batch=_batch(ins, symbolic_dim),
-             label=f"attention_backward[{label}, wrt={w}]", forward=_forward_fn(attrs) if fd else None, wrt=w)
-        for w in wrts
-    ]
-    return cases
-
-
-def _cases():
-    cases = []
-    for seed, (label, dims, attrs, bias_shape, symbolic_dim) in enumerate(OPTIONS):
-        cases += _op_cases(label, _inputs(dims, bias_shape, np.random.default_rng(seed)), attrs, symbolic_dim)
-    plain = _inputs(_dims(), None, np.random.default_rng(0))
-    for label, attrs in TRAP_VARIANTS:
-        # Their options have finite-difference cases above already.
-        cases += _op_cases(label, plain, attrs, None, wrts="qk", forward=False, fd=False)
-    return cases
-
-
-CASES = _cases()
-BY_NAME = {c.name: i for i, c in enumerate(CASES)}
-
-
-# LLVM at opt-level 0 compiles these kernels ~3x faster than the default -O3, and the matrix
-# compiles every case eight times; the finite-difference and gradient-rule tests below compile
-# with the default target, so both levels are exercised.
-FAST_LLVM = tvm.target.Target({"kind": "llvm", "opt-level": 0})
-
-
-def _run(cases, dtype, symbolic, path):
-    """rlx_tvm.testing.run_cases, compiled for FAST_LLVM."""
-    cases = [c for c in cases if c.batch is not None] if symbolic else list(cases)
-    mod = build_module(cases, dtype, symbolic)
-    if path == "decomposed":
-        mod = DecomposeBackwardOps(include_forward=True)(mod)
-    return compile_and_run(mod, cases, dtype, target=FAST_LLVM)
-
-
-@functools.lru_cache(maxsize=None)
-def _outputs(dtype, symbolic, path):
-    """Every case's output through one path: compiled once, shared by the tests below."""
-    return _run(CASES, dtype, symbolic, path)
-
-
 def _output(name, dtype="float64", path="fused"):
-    return _outputs(dtype, False, path)[BY_NAME[name]]
-
-
-@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
-def test_matches_reference(dtype, shape_mode, path):
-    # check_cases, on outputs shared with the trap tests (run_cases drops static-only cases
-    # from the symbolic variant, as check_cases does).
-    symbolic = shape_mode == "symbolic"
-    selected = [c for c in CASES if c.batch is not None] if symbolic else CASES
-    failures = [
-        f"{c.name}: {problem}"
-        for c, out in zip(selected, _outputs(dtype, symbolic, path))
-        if (problem := compare(out, c.reference(dtype), dtype))
-    ]
-    assert not failures, f"{len(failures)} of {len(selected)} cases differ ({dtype}, {shape_mode}, {path}):\n" + "\n".join(failures)
-
-
-def test_finite_differences():
-    check_finite_differences(CASES)
+    return output(name, dtype, path)
 
 
 def test_reference_forward_matches_definition():
@@ -229,7 +63,7 @@ def test_float16_accumulates_in_float32():
         "attention_backward[window+gqa+bias[1,H,1,Sk], wrt=k]",
     )]
     for path in ("fused", "decomposed"):
-        for c, out in zip(cases, _run(cases, "float16", False, path)):
+        for c, out in zip(cases, run_cases(cases, "float16", symbolic=False, path=path)):
             assert out.dtype == np.float16
             ref = c.reference("float16")
             np.testing.assert_allclose(out.astype(np.float64), ref, rtol=2e-2, atol=2e-2 * max(1.0, np.abs(ref).max()),
@@ -286,7 +120,7 @@ def test_grouped_query_heads_sum_over_their_group():
         mha.append(Case("attention_backward", ins, c.attrs, label=c.name + "[mha]"))
     for path in PATHS:
         dq, dk, dv = (_output(c.name, path=path) for c in gqa)
-        mq, mk, mv = _run(mha, "float64", False, path)
+        mq, mk, mv = run_cases(mha, "float64", symbolic=False, path=path)
         np.testing.assert_allclose(dq, mq, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(dk, mk.reshape(2, 4, 2, 2, 3).sum(axis=3), rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(dv, mv.reshape(2, 4, 2, 2, 3).sum(axis=3), rtol=1e-10, atol=1e-12)
@@ -316,7 +150,7 @@ def test_fully_masked_rows_stay_finite_under_autodiff_of_the_decomposition():
     ):
         mod = DecomposeBackwardOps(include_forward=True)(build_loss_module(case, "float64"))
         mod = relax.transform.Gradient("main", require_grads=list(mod["main"].params[:3]))(mod)
-        vm = relax.VirtualMachine(tvm.compile(mod, FAST_LLVM), tvm.cpu())
+        vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target(CHECK_TARGET)), tvm.cpu())
         _, grads = vm["main_adjoint"](*[tvm.runtime.tensor(a) for a in case.inputs.values()])
         for name, g in zip("qkv", grads):
             g = g.numpy()
@@ -326,34 +160,7 @@ def test_fully_masked_rows_stay_finite_under_autodiff_of_the_decomposition():
         assert np.all(grads[0].numpy()[:, :2] == 0), case.name
 
 
-# -- gradient rules: relax.transform.Gradient emits attention_backward --------------------------
-
-
-def _weighted(fn):
-    return lambda q, k, v, w, *rest: relax.op.sum(relax.op.multiply(fn(q, k, v, *rest), w))
-
-
-def _grad_cases():
-    rng = np.random.default_rng(15)
-    ins = _inputs(_dims(), "full", rng)
-    mha = {n: ins[n] for n in "qkv"}
-    w = rng.standard_normal(ins["dy"].shape)
-    g = _inputs(_dims(H=4, Hkv=2, Dv=2), "full", rng)
-    return [
-        GradCase("R.nn.attention(TopLeft, scale, bias)", {**mha, "w": w, "bias": ins["bias"]},
-                 _weighted(lambda q, k, v, bias: relax.op.nn.attention(q, k, v, bias, scale=0.5, causal_mask="TopLeft")),
-                 wrt=["q", "k", "v"]),
-        GradCase("rlx.attention(GQA, softcap, window, bias)",
-                 {"q": g["q"], "k": g["k"], "v": g["v"], "w": g["dy"], "bias": g["bias"]},
-                 _weighted(lambda q, k, v, bias: attention_op(q, k, v, bias, causal_mask="BottomRight", window_size=1,
-                                                              softcap=0.9, scale=1.2)),
-                 wrt=["q", "k", "v"]),
-    ]
-
-
-def test_gradient_rules_match_finite_differences():
-    # float64 only: the float32 kernels are covered by the matrix.
-    check_gradients(_grad_cases(), "float64")
+# -- gradient rules (checked numerically by tests/test_gradients.py) -----------------------------
 
 
 def test_nn_attention_gradient_refuses_tvms_bottom_right_when_sq_exceeds_sk():
@@ -429,14 +236,6 @@ def test_bad_input_bias_not_broadcastable():
         emit_call(attention_op(q, k, v, tensor_var("bias", shape)))
 
 
-def test_higher_orders_through_the_attention_gradient_rules():
-    """Hessian-vector products and orders 2-3 through both rule cases (masks, window, GQA, softcap):
-    attention_backward decomposes into primitives that differentiate again."""
-    cases = _grad_cases()
-    check_second_order(cases)
-    check_nth_order(cases, order=3)
-
-
 # -- dq, dk and dv computed together (FuseSiblingBackwardOps, applied by rlx_tvm.compile on CPU) ------
 
 
@@ -460,8 +259,8 @@ def test_gradients_asked_together_share_one_kernel(dtype, symbolic, chunk_bytes,
     for seed, ((label, dims, attrs, bias_shape, symbolic_dim), wrts) in enumerate(chosen):
         if symbolic and symbolic_dim is None:
             continue
-        ins = _inputs(dims, bias_shape, np.random.default_rng(seed))
-        groups.append([Case("attention_backward", ins, {"wrt": w, **attrs}, batch=_batch(ins, symbolic_dim),
+        ins = attention_inputs(dims, bias_shape, np.random.default_rng(seed))
+        groups.append([Case("attention_backward", ins, {"wrt": w, **attrs}, batch=symbolic_batch(ins, symbolic_dim),
                             label=f"{label} d{w}") for w in wrts])
     lowered = check_sibling_groups(groups, dtype, symbolic)
     for i, cases in enumerate(groups):

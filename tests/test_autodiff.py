@@ -11,10 +11,11 @@ from tvm.script import relax as R
 
 from rlx_tvm import autodiff
 from rlx_tvm.passes import count_rlx_calls
+from rlx_tvm.testing import CHECK_TARGET
 
 
 def _vm(mod):
-    return relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    return relax.VirtualMachine(tvm.compile(mod, tvm.target.Target(CHECK_TARGET)), tvm.cpu())
 
 
 def _t(a):

@@ -1,6 +1,6 @@
-"""cumsum_backward and gather_backward: both paths vs NumPy, finite differences of independent
-NumPy forwards (np.cumsum, np.take), the SPEC §8 traps, bad input, and the gradient rules of
-R.cumsum / R.take."""
+"""cumsum_backward and gather_backward: the GPU and CPU forms, the SPEC §8 traps, bad input, and
+the gradient rules of R.cumsum / R.take. Values on the samples (rlx_tvm.testing.samples.indexing,
+finite differences of np.cumsum and np.take) are checked by tests/test_ops.py."""
 
 import numpy as np
 import pytest
@@ -9,91 +9,24 @@ from tvm import relax
 
 from rlx_tvm import autodiff, ops
 from rlx_tvm.ops.indexing import SCAN_BLOCK
-from rlx_tvm.passes import DecomposeBackwardOps, count_rlx_calls
-from rlx_tvm.testing import Case, GradCase, build_module, check_cases, check_finite_differences, run_cases
+from rlx_tvm.passes import count_rlx_calls
+from rlx_tvm.testing import Case, build_module, compare
+from rlx_tvm.testing.samples import gpu_form_outputs
+from rlx_tvm.testing.samples.indexing import CASES
 
-from .helpers import MATRIX, assert_op_error, emit_call, tensor_var
+from .helpers import CaseGroups, assert_op_error, emit_call, tensor_var
 
 RNG = np.random.default_rng(11)
 op = relax.op
 
 
-def _cumsum_forward(axis, exclusive):
-    def forward(x):
-        y = np.cumsum(x, axis=axis)
-        return y - x if exclusive else y
-
-    return forward
-
-
-def _take_forward(axis):
-    return lambda x, indices: np.take(x, indices, axis=axis)
-
-
-def _cumsum_case(shape, axis, exclusive=False, batch=None, fd=False, label=""):
-    dy = RNG.standard_normal(shape)
-    return Case(
-        "cumsum_backward", {"dy": dy}, {"axis": axis, "exclusive": exclusive}, batch=batch,
-        label=label or f"cumsum_backward[{shape}, axis={axis}, exclusive={exclusive}]",
-        forward=_cumsum_forward(axis, exclusive) if fd else None, wrt="x",
-        fd_extra={"x": RNG.standard_normal(shape)} if fd else {},
-    )
-
-
-def _gather_case(x_shape, indices, axis, batch=None, fd=False, label=""):
-    """dy for take(x, indices, axis) with x of ``x_shape``."""
-    ax = axis % len(x_shape)
-    dy_shape = x_shape[:ax] + indices.shape + x_shape[ax + 1:]
-    return Case(
-        "gather_backward", {"dy": RNG.standard_normal(dy_shape), "indices": indices},
-        {"axis": axis, "dim_size": x_shape[ax]}, batch=batch,
-        label=label or f"gather_backward[x{x_shape}, idx{indices.shape} {indices.dtype}, axis={axis}]",
-        forward=_take_forward(axis) if fd else None, wrt="x",
-        fd_extra={"x": RNG.standard_normal(x_shape)} if fd else {},
-    )
-
-
-def _cases():
-    i32, i64 = np.int32, np.int64
-    return [
-        # cumsum: short rows (one block), several blocks with a partial last one, symbolic length,
-        # axis 0 and a middle axis of rank 3, length 1.
-        _cumsum_case((2, 9), 1, fd=True, batch={"dy": 0}),
-        _cumsum_case((2, 9), -1, exclusive=True, fd=True, batch={"dy": 0}),
-        _cumsum_case((1, 2 * SCAN_BLOCK + 7), 1, exclusive=True, fd=True, batch={"dy": 1},
-                     label="cumsum_backward[multi-block, symbolic length]"),
-        _cumsum_case((3, 3 * SCAN_BLOCK + 1), 1, batch={"dy": 1}),
-        _cumsum_case((5, 3, 2), 0, fd=True, batch={"dy": 1}),
-        _cumsum_case((2, SCAN_BLOCK + 5, 3), 1, exclusive=True, batch={"dy": 0}),
-        _cumsum_case((2, 3, 4), -2, fd=True, batch={"dy": 2}),
-        _cumsum_case((3, 1), 1, exclusive=True, batch={"dy": 0}),
-        # gather: embedding-style axis 0 with duplicates and negatives, a symbolic index count.
-        _gather_case((5, 3), np.array([0, 3, 3, -1, 2, -5], i32), 0, fd=True, batch={"dy": 0, "indices": 0}),
-        _gather_case((4, 6), np.array([1, -1, 1, 0], i64), 1, fd=True, batch={"dy": 0}),
-        _gather_case((2, 3, 4), np.array([[0, 2, 2], [-1, 1, 0]], i64), 1, fd=True, batch={"dy": 0}),
-        _gather_case((3, 2, 5), np.array([4, -2, 0, 4], i32), -1, fd=True, batch={"dy": 1}),
-        _gather_case((4,), np.array([3, 3, -4, 1], i64), 0, fd=True, batch={"dy": 0, "indices": 0}),
-        # rows of features wide enough for the CPU kernel's chunks of 64 (3 chunks) and of 16 (80 = 5 x 16)
-        _gather_case((9, 192), np.array([0, 8, 8, -1, 3, -9, 2], i64), 0, batch={"dy": 0, "indices": 0},
-                     label="gather_backward[192 features: chunks of 64]"),
-        _gather_case((3, 5, 80), np.array([4, 0, -1, 4], i32), 1, batch={"dy": 0},
-                     label="gather_backward[80 features: chunks of 16]"),
-        # indices outside [-dim_size, dim_size) are dropped at run time (np.take would raise, no FD)
-        _gather_case((6, 2), np.array([7, -7, 5, -6, 100], i32), 0, batch={"dy": 0, "indices": 0},
-                     label="gather_backward[runtime out-of-range dropped]"),
-    ]
-
-
-CASES = _cases()
-
-
-@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
-def test_matches_reference(dtype, shape_mode, path):
-    check_cases(CASES, dtype, symbolic=shape_mode == "symbolic", path=path)
-
-
-def test_finite_differences():
-    check_finite_differences(CASES)
+def _check_gpu_form(cases, dtype, symbolic):
+    """The cases' outputs in the GPU form (built for the CPU) match their references."""
+    outs = gpu_form_outputs(dtype, symbolic)
+    selected = [c for c in cases if c.batch is not None or not symbolic]
+    assert selected
+    failures = [f"{c.name}: {p}" for c in selected if (p := compare(outs[c.name], c.reference(dtype), dtype))]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("dtype,symbolic", [("float64", False), ("float32", False), ("float64", True)])
@@ -105,7 +38,7 @@ def test_gpu_form_of_cumsum_matches_reference(dtype, symbolic):
     with tvm.target.Target("cuda"):
         gpu = relax.transform.LegalizeOps()(mod)
     assert "cumsum_backward_in_block" in gpu.script()  # the blocked form, not the scan
-    check_cases(cases, dtype, symbolic, "fused", legalize_for="cuda")
+    _check_gpu_form(cases, dtype, symbolic)
 
 
 @pytest.mark.parametrize("dtype,symbolic", [("float64", False), ("float32", False), ("float64", True)])
@@ -118,7 +51,7 @@ def test_gpu_form_of_gather_matches_reference(dtype, symbolic):
     with tvm.target.Target("cuda"):
         gpu = relax.transform.LegalizeOps()(mod)
     assert "T.init()" in gpu.script()  # the reduction-block form, not the chunked scatter
-    check_cases(cases, dtype, symbolic, "fused", legalize_for="cuda")
+    _check_gpu_form(cases, dtype, symbolic)
 
 
 def test_gpu_form_of_gather_blocks_rows_and_skips_bad_indices():
@@ -168,42 +101,67 @@ def test_cpu_form_of_gather_clears_every_row_in_parts():
 # -- SPEC §8 traps ------------------------------------------------------------------------------
 
 
-def _both_paths(cases, dtype="float64"):
-    return {p: run_cases(cases, dtype, symbolic=False, path=p) for p in ("fused", "decomposed")}
+LONG_LENGTHS = (4096, 5000)
+LONG_DYS = [RNG.standard_normal((2, n)) + 0.5 for n in LONG_LENGTHS]  # a drift makes the sums large
+EXCLUSIVE_DY = np.array([[1.0, 2.0, 3.0, 4.0]])
+RANK3_DY = RNG.standard_normal((SCAN_BLOCK + 3, SCAN_BLOCK + 2, 3))
+RANK3_AXES = (0, 1)
+GATHER_DY0 = np.arange(8.0).reshape(4, 2)  # rows r0..r3 of take(x[3, 2], [1, 1, -1, 0], 0)
+GATHER_DY1 = np.arange(12.0).reshape(2, 3, 2)  # take(x[2, 4, 2], [2, -4, 2], axis=1)
+GATHER_DY2 = np.ones((3, 2))
+SCALAR_INDEX_DY = RNG.standard_normal(4)
+HALF_DY = RNG.standard_normal((64, 3)).astype(np.float16)
+
+
+def _gather_trap_cases():
+    cases = []
+    for dt in (np.int32, np.int64):
+        cases.append(Case("gather_backward", {"dy": GATHER_DY0, "indices": np.array([1, 1, -1, 0], dt)}, {"axis": 0, "dim_size": 3}))
+        cases.append(Case("gather_backward", {"dy": GATHER_DY1, "indices": np.array([2, -4, 2], dt)}, {"axis": 1, "dim_size": 4}))
+        cases.append(Case("gather_backward", {"dy": GATHER_DY2, "indices": np.array([3, -4, 9], dt)}, {"axis": 0, "dim_size": 3}))
+    return cases
+
+
+# The trap tests' cases, compiled together per (dtype, path).
+TRAPS = CaseGroups({
+    "long": ([Case("cumsum_backward", {"dy": dy}, {"axis": 1}) for dy in LONG_DYS], ("float32",)),
+    "exclusive": ([Case("cumsum_backward", {"dy": EXCLUSIVE_DY}, {"axis": 1, "exclusive": e}) for e in (False, True)],
+                  ("float64",)),
+    "rank3": ([Case("cumsum_backward", {"dy": RANK3_DY}, {"axis": a}) for a in RANK3_AXES], ("float64",)),
+    "gather": (_gather_trap_cases(), ("float64",)),
+    "scalar index": ([Case("gather_backward", {"dy": SCALAR_INDEX_DY, "indices": np.array(2, np.int64)},
+                           {"axis": 0, "dim_size": 3})], ("float64",)),
+    # 64 duplicates into one row: a float16 running sum would drift
+    "half": ([Case("gather_backward", {"dy": HALF_DY, "indices": np.zeros(64, np.int64)}, {"axis": 0, "dim_size": 2}),
+              Case("cumsum_backward", {"dy": HALF_DY}, {"axis": 0})], ("float16",)),
+})
 
 
 def test_long_cumsum_float32_error_is_no_worse_than_flip_cumsum_flip():
     """No length cap (the reference design had 256), and no precision loss: lengths 4096 and 5000
     (not a multiple of the block) keep the float32 error within 2x of NumPy's float32 reverse scan."""
-    lengths = (4096, 5000)
-    dys = [RNG.standard_normal((2, n)) + 0.5 for n in lengths]  # a drift makes the sums large
-    cases = [Case("cumsum_backward", {"dy": dy}, {"axis": 1}) for dy in dys]
-    outs = _both_paths(cases, "float32")
-    for i, dy in enumerate(dys):
+    outs = TRAPS.outputs("long", "float32")
+    for i, dy in enumerate(LONG_DYS):
         exact = np.cumsum(dy[:, ::-1], axis=1)[:, ::-1]  # float64
         d32 = dy.astype(np.float32)
         numpy32 = np.cumsum(d32[:, ::-1], axis=1, dtype=np.float32)[:, ::-1]
         budget = 2 * np.abs(numpy32 - exact).max()
         for path, results in outs.items():
             err = np.abs(results[i].astype(np.float64) - exact).max()
-            assert err <= budget, (path, lengths[i], err, budget)
+            assert err <= budget, (path, LONG_LENGTHS[i], err, budget)
 
 
 def test_exclusive_cumsum_is_strictly_after():
-    dy = np.array([[1.0, 2.0, 3.0, 4.0]])
-    cases = [Case("cumsum_backward", {"dy": dy}, {"axis": 1, "exclusive": e}) for e in (False, True)]
-    for path, (incl, excl) in _both_paths(cases).items():
+    for path, (incl, excl) in TRAPS.outputs("exclusive").items():
         np.testing.assert_array_equal(incl, [[10.0, 9.0, 7.0, 4.0]], err_msg=path)
         np.testing.assert_array_equal(excl, [[9.0, 7.0, 4.0, 0.0]], err_msg=path)
 
 
 def test_cumsum_on_axis_0_and_middle_axis_of_rank_3():
     """dx along each axis equals an explicit upper-triangular matrix product (an independent oracle)."""
-    dy = RNG.standard_normal((SCAN_BLOCK + 3, SCAN_BLOCK + 2, 3))
-    axes = (0, 1)
-    cases = [Case("cumsum_backward", {"dy": dy}, {"axis": a}) for a in axes]
-    for path, results in _both_paths(cases).items():
-        for a, out in zip(axes, results):
+    dy = RANK3_DY
+    for path, results in TRAPS.outputs("rank3").items():
+        for a, out in zip(RANK3_AXES, results):
             n = dy.shape[a]
             upper = np.triu(np.ones((n, n)))  # dx_i = sum_{j >= i} dy_j
             expected = np.moveaxis(np.tensordot(upper, np.moveaxis(dy, a, 0), axes=1), 0, a)
@@ -242,51 +200,29 @@ def test_cpu_scan_along_the_contiguous_axis_is_vectorized():
 def test_gather_duplicates_negatives_axis_and_index_dtypes():
     """Hand-computed adjoints: duplicate indices accumulate, -1 is the last row, axis 1 works, and
     int32 and int64 indices agree; out-of-range indices write nothing."""
-    dy0 = np.arange(8.0).reshape(4, 2)  # rows r0..r3 of take(x[3, 2], [1, 1, -1, 0], 0)
+    dy0, dy1 = GATHER_DY0, GATHER_DY1
     expected0 = np.array([dy0[3], dy0[0] + dy0[1], dy0[2]])
-    dy1 = np.arange(12.0).reshape(2, 3, 2)  # take(x[2, 4, 2], [2, -4, 2], axis=1)
     expected1 = np.zeros((2, 4, 2))
     expected1[:, 0] = dy1[:, 1]
     expected1[:, 2] = dy1[:, 0] + dy1[:, 2]
-    dy2 = np.ones((3, 2))
-    cases = []
-    for dt in (np.int32, np.int64):
-        cases.append(Case("gather_backward", {"dy": dy0, "indices": np.array([1, 1, -1, 0], dt)}, {"axis": 0, "dim_size": 3}))
-        cases.append(Case("gather_backward", {"dy": dy1, "indices": np.array([2, -4, 2], dt)}, {"axis": 1, "dim_size": 4}))
-        cases.append(Case("gather_backward", {"dy": dy2, "indices": np.array([3, -4, 9], dt)}, {"axis": 0, "dim_size": 3}))
-    for path, results in _both_paths(cases).items():
-        for k in range(0, len(cases), 3):
+    for path, results in TRAPS.outputs("gather").items():
+        for k in range(0, len(results), 3):
             np.testing.assert_array_equal(results[k], expected0, err_msg=path)
             np.testing.assert_array_equal(results[k + 1], expected1, err_msg=path)
             np.testing.assert_array_equal(results[k + 2], np.zeros((3, 2)), err_msg=path)
 
 
 def test_scalar_index_and_half_precision():
-    """A 0-d index (take of one row) and float16 inputs (accumulated in float32), by hand: the
-    shared runner cannot pass 0-d arrays (np.ascontiguousarray makes them 1-d)."""
-    dy = RNG.standard_normal(4)
-    half = RNG.standard_normal((64, 3)).astype(np.float16)
-    idx = np.zeros(64, np.int64)  # 64 duplicates into one row: a float16 running sum would drift
-    cases = [
-        Case("gather_backward", {"dy": dy, "indices": np.array(2, np.int64)}, {"axis": 0, "dim_size": 3}),
-        Case("gather_backward", {"dy": half, "indices": idx}, {"axis": 0, "dim_size": 2}),
-        Case("cumsum_backward", {"dy": half}, {"axis": 0}),
-    ]
+    """A 0-d index (take of one row) and float16 inputs (accumulated in float32)."""
+    dy, half = SCALAR_INDEX_DY, HALF_DY
+    scalar_cases, half_cases = TRAPS.groups["scalar index"][0], TRAPS.groups["half"][0]
+    assert scalar_cases[0].inputs["indices"].ndim == 0
     expected = [np.stack([np.zeros(4), np.zeros(4), dy]),
                 np.stack([half.astype(np.float64).sum(0), np.zeros(3)]),
                 np.cumsum(half.astype(np.float64)[::-1], 0)[::-1]]
-    dtypes = ["float64", "float16", "float16"]
     for path in ("fused", "decomposed"):
-        mods = {}
-        for dt in ("float64", "float16"):
-            chosen = [c for c, d in zip(cases, dtypes) if d == dt]
-            mod = build_module(chosen, dt, symbolic=False)
-            mod = DecomposeBackwardOps()(mod) if path == "decomposed" else mod
-            mods[dt] = (relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu()), chosen)
-        for case, dt, want in zip(cases, dtypes, expected):
-            vm, chosen = mods[dt]
-            args = [tvm.runtime.tensor(np.asarray(a)) for a in case.cast_inputs(dt).values()]
-            out = vm[f"case_{chosen.index(case)}"](*args).numpy()
+        outs = TRAPS.outputs("scalar index", "float64")[path] + TRAPS.outputs("half", "float16")[path]
+        for case, dt, out, want in zip(scalar_cases + half_cases, ["float64", "float16", "float16"], outs, expected):
             assert out.dtype == np.dtype(dt)
             tol = 1e-12 if dt == "float64" else 2e-3 * max(1.0, np.abs(want).max())
             np.testing.assert_allclose(out.astype(np.float64), want, atol=tol, err_msg=f"{path} {case.op}")
@@ -338,48 +274,6 @@ def test_bad_input_gather_static_index_out_of_range():
 
 
 # -- gradient rules of R.cumsum and R.take (checked numerically by tests/test_gradients.py) ------
-
-
-def _weighted(fn):
-    return lambda x, w, *rest: op.sum(op.multiply(fn(x, *rest), w))
-
-
-def _cube_sum(e):  # not quadratic, so the Hessian-vector products differentiate the decompositions
-    return op.sum(op.multiply(op.multiply(e, e), e))
-
-
-def _cubed(fn):
-    return lambda x, *rest: _cube_sum(fn(x, *rest))
-
-
-def _grad_cases():
-    x = RNG.standard_normal((3, 40))
-    idx = np.array([2, 0, 2, 1], np.int64)
-    idx32 = np.array([[1, 1], [0, 3]], np.int32)
-    scatter_idx = np.array([[0, 2, 2], [1, 1, 0]], np.int64)
-    return [
-        GradCase("relax.cumsum", {"x": x, "w": RNG.standard_normal((3, 40))},
-                 _weighted(lambda t: op.cumsum(t, axis=1)), wrt=["x"]),
-        GradCase("relax.cumsum(exclusive)", {"x": x[:, :6]},
-                 _cubed(lambda t: op.cumsum(t, axis=0, exclusive=True)), wrt=["x"]),
-        GradCase("relax.cumsum(axis=None)", {"x": x[:2, :3]}, _cubed(lambda t: op.cumsum(t)), wrt=["x"]),
-        GradCase("relax.take(axis=0)", {"x": x[:, :4], "idx": idx}, _cubed(lambda t, i: op.take(t, i, axis=0)), wrt=["x"]),
-        GradCase("relax.take(axis=1, 2-d int32 indices)", {"x": x[:, :5], "w": RNG.standard_normal((3, 2, 2)), "idx": idx32},
-                 _weighted(lambda t, i: op.take(t, i, axis=1)), wrt=["x"]),
-        GradCase("relax.flip", {"x": x[:, :4]}, _cubed(lambda t: op.flip(t, 1)), wrt=["x"]),
-        GradCase("relax.gather_elements", {"x": x[:2, :3], "idx": scatter_idx[:, :2].copy()},
-                 _cubed(lambda t, i: op.gather_elements(t, i, axis=1)), wrt=["x"]),
-        GradCase("relax.scatter_elements(add)", {"x": x[:2, :3], "u": RNG.standard_normal((2, 3)), "idx": scatter_idx},
-                 lambda t, u, i: _cube_sum(op.scatter_elements(t, i, u, axis=1, reduction="add")),
-                 wrt=["x", "u"]),
-        GradCase("relax.scatter_elements(update)",
-                 {"x": x[:2, :3], "u": RNG.standard_normal((2, 2)), "idx": np.array([[2, 0], [1, 2]], np.int64)},
-                 lambda t, u, i: _cube_sum(op.scatter_elements(t, i, u, axis=1)),
-                 wrt=["x", "u"]),
-    ]
-
-
-GRAD_CASES = _grad_cases()
 
 
 def test_gradient_rules_emit_the_rlx_ops():

@@ -1,8 +1,7 @@
-"""Layer / RMS / group norm backward ops: fused and decomposed paths vs the NumPy reference, fp64
-finite differences of independent NumPy forwards, the SPEC §8 traps, bad input, and the
-gradient rules of R.nn.layer_norm / rms_norm / group_norm."""
-
-from functools import partial
+"""Layer / RMS / group norm backward ops: coverage of the samples, float16, the SPEC §8 traps
+through both paths, bad input, Relax's own norms (rlx legalizations and gradient rules), and the
+gradients of one norm computed together. Values on the samples (rlx_tvm.testing.samples.norm,
+finite differences of independent NumPy forwards) are checked by tests/test_ops.py."""
 
 import numpy as np
 import pytest
@@ -12,129 +11,16 @@ from tvm.script import tirx as T
 
 from rlx_tvm import autodiff, ops
 from rlx_tvm.ops import get_op
-from rlx_tvm.testing import (
-    CHECK_TARGET, Case, GradCase, check_cases, compare, check_finite_differences, check_gradients, finite_difference_vjp,
-    run_cases,
+from rlx_tvm.testing import CHECK_TARGET, Case, check_gradients, finite_difference_vjp, run_cases
+from rlx_tvm.testing.samples import outputs
+from rlx_tvm.testing.samples.norm import (
+    CASES, GRAD_CASES, GROUP_BATCH_CASES, SQUARE_CASES, group_cases, layer_cases, layer_norm, normal,
+    relax_group_norm_case, relax_layer_norm_case, relax_rms_norm_case, rms_cases, rule_cases, scales,
 )
 from rlx_tvm.schedules.common import vector_lanes
 from rlx_tvm.schedules.prefetch import ANNOTATION as PREFETCH_ANNOTATION
 
-from .helpers import MATRIX, assert_op_error, tensor_var
-
-RNG = np.random.default_rng(3)
-
-
-# -- independent NumPy forwards (float64) ---------------------------------------------------------
-
-
-def layer_norm(x, gamma, beta=None, *, axis=-1, eps=1e-5):
-    """y = (x - mean) / sqrt(var + eps) * gamma + beta along ``axis`` (biased variance)."""
-    xt = np.moveaxis(x, axis, -1)
-    mu = xt.mean(-1, keepdims=True)
-    var = ((xt - mu) ** 2).mean(-1, keepdims=True)
-    y = (xt - mu) / np.sqrt(var + eps) * gamma + (0.0 if beta is None else beta)
-    return np.moveaxis(y, -1, axis)
-
-
-def rms_norm(x, gamma, beta, *, axis=-1, eps=1e-6):
-    """y = x / sqrt(mean(x^2) + eps) * gamma + beta along ``axis``."""
-    xt = np.moveaxis(x, axis, -1)
-    y = xt / np.sqrt((xt**2).mean(-1, keepdims=True) + eps) * gamma + beta
-    return np.moveaxis(y, -1, axis)
-
-
-def group_norm(x, gamma, beta=None, *, num_groups, eps=1e-5):
-    """x [N, C, *spatial]: normalize each (n, group of C/G channels) block, then per channel."""
-    n, c = x.shape[:2]
-    blocks = x.reshape(n, num_groups, -1)
-    mu = blocks.mean(-1, keepdims=True)
-    var = ((blocks - mu) ** 2).mean(-1, keepdims=True)
-    xh = ((blocks - mu) / np.sqrt(var + eps)).reshape(x.shape)
-    per_channel = (1, c) + (1,) * (x.ndim - 2)
-    y = xh * gamma.reshape(per_channel)
-    return y if beta is None else y + beta.reshape(per_channel)
-
-
-# -- cases ----------------------------------------------------------------------------------------
-
-
-def _normal(*shape):
-    return RNG.standard_normal(shape)
-
-
-def _scale(n):
-    return RNG.uniform(0.5, 1.5, n)
-
-
-def _row_batch(x, axis):
-    """Symbolic variant: the first axis that is not normalized (None for rank 1)."""
-    others = [i for i in range(x.ndim) if i != axis % x.ndim]
-    return {"x": others[0], "dy": others[0]} if others else None
-
-
-def layer_cases(shape, label, which=("input", "gamma"), **attrs):
-    axis = attrs.get("axis", -1)
-    x, dy = _normal(*shape), _normal(*shape)
-    gamma = _scale(shape[axis])
-    common = dict(attrs=attrs, batch=_row_batch(x, axis), forward=partial(layer_norm, **attrs))
-
-    def case(o):
-        if o == "input":
-            return Case("layer_norm_backward_input", {"x": x, "gamma": gamma, "dy": dy}, wrt="x",
-                        label=f"layer_input[{label}]", **common)
-        return Case("layer_norm_backward_gamma", {"x": x, "dy": dy}, wrt="gamma", fd_extra={"gamma": gamma},
-                    label=f"layer_gamma[{label}]", **common)
-
-    return [case(o) for o in which]
-
-
-def rms_cases(shape, label, which=("input", "gamma", "beta"), **attrs):
-    axis = attrs.get("axis", -1)
-    x, dy = _normal(*shape), _normal(*shape)
-    ins = {"x": x, "gamma": _scale(shape[axis]), "beta": _normal(shape[axis]), "dy": dy}
-    return [
-        Case(f"rms_norm_backward_{o}", ins, attrs, batch=_row_batch(x, axis), label=f"rms_{o}[{label}]",
-             forward=partial(rms_norm, **attrs), wrt="x" if o == "input" else o)
-        for o in which
-    ]
-
-
-def group_cases(shape, label, which=("input", "gamma", "beta"), **attrs):
-    x, dy = _normal(*shape), _normal(*shape)
-    params = {"gamma": _scale(shape[1]), "beta": _normal(shape[1])}
-    common = dict(attrs=attrs, batch={"x": 0, "dy": 0}, forward=partial(group_norm, **attrs))
-
-    def case(o):
-        if o == "input":
-            return Case("group_norm_backward_input", {"x": x, **params, "dy": dy}, wrt="x",
-                        label=f"group_input[{label}]", **common)
-        return Case(f"group_norm_backward_{o}", {"x": x, "dy": dy}, wrt=o, fd_extra=params,
-                    label=f"group_{o}[{label}]", **common)
-
-    return [case(o) for o in which]
-
-
-CASES = [
-    *layer_cases((8, 8), "square 8x8"),
-    *layer_cases((4, 4, 4), "cube, middle axis", axis=1, eps=1e-3),
-    *layer_cases((5, 3), "axis 0", which=("input",), axis=0),
-    *layer_cases((6,), "rank 1", axis=0),
-    *rms_cases((8, 8), "square 8x8"),
-    *rms_cases((4, 4, 4), "cube, axis -2", which=("input", "gamma"), axis=-2, eps=1e-2),
-    *group_cases((3, 6), "N=3, no spatial", which=("input", "gamma"), num_groups=3),
-    *group_cases((2, 4, 5), "N=2, 1d, one group", which=("input",), num_groups=1),
-    *group_cases((3, 6, 3, 2), "N=3, 2d", num_groups=3, eps=1e-3),
-    *group_cases((2, 4, 2, 3, 2), "N=2, 3d, instance-like", which=("input",), num_groups=4),
-]
-
-
-@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
-def test_matches_reference(dtype, shape_mode, path):
-    check_cases(CASES, dtype, symbolic=shape_mode == "symbolic", path=path)
-
-
-def test_finite_differences():
-    check_finite_differences(CASES)
+from .helpers import assert_op_error, tensor_var
 
 
 def test_every_op_is_covered():
@@ -172,21 +58,18 @@ def _fd(case):
 
 
 def _both_paths_match_fd(cases):
+    """The samples' float64 outputs through both paths equal the finite differences."""
     for path in ("fused", "decomposed"):
-        for case, out in zip(cases, run_cases(cases, "float64", symbolic=False, path=path)):
-            np.testing.assert_allclose(out, _fd(case), rtol=1e-5, atol=1e-6, err_msg=f"{path}: {case.name}")
+        outs = outputs("float64", False, path)
+        for case in cases:
+            np.testing.assert_allclose(outs[case.name], _fd(case), rtol=1e-5, atol=1e-6, err_msg=f"{path}: {case.name}")
 
 
 def test_square_inputs_scale_the_normalized_axis():
     """Rows == features ([8, 8], [4, 4, 4]): gamma goes along the normalized axis, not the
     leading one (nor, for axis=0, the trailing one that plain broadcasting would pick). CASES
     has the [8, 8] last-axis cases and [4, 4, 4] middle-axis ones; these are the other axes."""
-    cases = [
-        *layer_cases((8, 8), "square, axis 0", which=("input",), axis=0),
-        *layer_cases((4, 4, 4), "cube, axis -1", which=("input", "gamma")),
-        *rms_cases((8, 8), "square, axis 0", which=("input", "gamma"), axis=0),
-        *rms_cases((4, 4, 4), "cube, axis -1", which=("input",)),
-    ]
+    cases = SQUARE_CASES
     _both_paths_match_fd(cases)
     # The check can fail: gamma laid along the other axis of the square gives a different dx.
     case = cases[0]
@@ -197,10 +80,8 @@ def test_square_inputs_scale_the_normalized_axis():
 
 def test_group_norm_parameter_grads_reduce_over_the_batch():
     """N = 2 and 3: dgamma/dbeta sum over n too (a reshape that keeps N is wrong for N > 1)."""
-    cases = [
-        *group_cases((2, 4, 3), "N=2", which=("gamma", "beta"), num_groups=2),
-        *group_cases((3, 6, 2, 2), "N=3", which=("gamma", "beta"), num_groups=3),
-    ]
+    cases = GROUP_BATCH_CASES
+    assert {c.inputs["x"].shape[0] for c in cases} == {2, 3}
     _both_paths_match_fd(cases)
     # Sum of the per-sample gradients: every sample really contributes.
     for case in cases:
@@ -276,103 +157,31 @@ def test_bad_dtypes():
 op = relax.op
 
 
-def np_layer_norm(x, gamma, beta, *, axes, epsilon=1e-5, center=True, scale=True):
-    """R.nn.layer_norm: gamma/beta have the normalized axes' extents in the order of ``axes``."""
-    ax = [a % x.ndim for a in axes]
-    mu = x.mean(axis=tuple(ax), keepdims=True)
-    var = ((x - mu) ** 2).mean(axis=tuple(ax), keepdims=True)
-    y = (x - mu) / np.sqrt(var + epsilon)
-    if scale:
-        y = y * _np_param(gamma, ax, x.ndim)
-    if center:
-        y = y + _np_param(beta, ax, x.ndim)
-    return y
-
-
-def _np_param(p, axes, ndim):
-    """A parameter laid out in the order of ``axes``, broadcastable against the input."""
-    p = np.transpose(p, np.argsort(axes))  # dims in increasing axis order
-    shape = [1] * ndim
-    for a, d in zip(sorted(axes), p.shape):
-        shape[a] = d
-    return p.reshape(shape)
-
-
-def np_rms_norm(x, w, *, axes, epsilon=1e-5):
-    ax = [a % x.ndim for a in axes]
-    return x / np.sqrt((x * x).mean(axis=tuple(ax), keepdims=True) + epsilon) * _np_param(w, ax, x.ndim)
-
-
-def np_group_norm(x, gamma, beta, *, num_groups, channel_axis, axes, epsilon=1e-5, center=True, scale=True):
-    """Any layout: move the batch axes first, then the channel, then ``axes``; normalize each
-    (batch index, group) block; scale and shift per channel; move back."""
-    c = channel_axis % x.ndim
-    red = sorted(a % x.ndim for a in axes)
-    batch = [k for k in range(x.ndim) if k != c and k not in red]
-    perm = batch + [c] + red
-    xt = np.transpose(x, perm)
-    nb, ch = len(batch), x.shape[c]
-    blocks = xt.reshape(xt.shape[:nb] + (num_groups, ch // num_groups) + xt.shape[nb + 1:])
-    bax = tuple(range(nb + 1, blocks.ndim))
-    mu = blocks.mean(axis=bax, keepdims=True)
-    var = ((blocks - mu) ** 2).mean(axis=bax, keepdims=True)
-    y = ((blocks - mu) / np.sqrt(var + epsilon)).reshape(xt.shape)
-    per_channel = [1] * x.ndim
-    per_channel[nb] = ch
-    if scale:
-        y = y * gamma.reshape(per_channel)
-    if center:
-        y = y + beta.reshape(per_channel)
-    return np.transpose(y, np.argsort(perm))
-
-
-def _layer(shape, label, axes, sym=None, offset=0.0, **attrs):
-    ax = [a % len(shape) for a in axes]
-    pshape = [shape[a] for a in ax]
-    ins = {"x": _normal(*shape) + offset, "g": _scale(int(np.prod(pshape))).reshape(pshape), "b": _normal(*pshape)}
-    return (f"layer_norm {label}", lambda x, g, b: op.nn.layer_norm(x, g, b, axes=axes, **attrs),
-            partial(np_layer_norm, axes=axes, **attrs), ins, sym)
-
-
-def _rms(shape, label, axes, sym=None, **attrs):
-    pshape = [shape[a % len(shape)] for a in axes]
-    ins = {"x": _normal(*shape), "weight": _scale(int(np.prod(pshape))).reshape(pshape)}
-    return (f"rms_norm {label}", lambda x, w: op.nn.rms_norm(x, w, axes=axes, **attrs),
-            partial(np_rms_norm, axes=axes, **attrs), ins, sym)
-
-
-def _group(shape, label, sym=None, offset=0.0, **attrs):
-    ch = shape[attrs["channel_axis"] % len(shape)]
-    ins = {"x": _normal(*shape) + offset, "g": _scale(ch), "b": _normal(ch)}
-    return (f"group_norm {label}", lambda x, g, b: op.nn.group_norm(x, g, b, **attrs),
-            partial(np_group_norm, **attrs), ins, sym)
-
-
 # (label, build(*vars), NumPy reference(*arrays), inputs, axis of x made symbolic or None)
 FORWARD_CASES = [
-    _layer((3, 4, 5), "axes=[-1]", [-1], sym=0),
-    _layer((3, 4, 5), "axes=[1, 2], offset 100", [1, 2], sym=0, offset=100.0, epsilon=1e-3),
-    _layer((3, 4, 5), "axes=[2, 0]", [2, 0]),
-    _layer((3, 4, 5), "axes=[0]", [0], sym=2),
-    _layer((2, 3, 4, 5), "axes=[-1, 1]", [-1, 1], sym=0),
-    _layer((3, 4, 5), "center=False", [-1], sym=0, center=False),
-    _layer((3, 4, 5), "scale=False axes=[1]", [1], scale=False),
-    _layer((3, 4, 5), "center=scale=False axes=[-1, -2]", [-1, -2], center=False, scale=False),
-    _layer((6,), "rank 1", [0]),
-    _layer((3, 4, 5), "all axes", [0, 1, 2]),
-    _rms((3, 4, 5), "axes=[-1]", [-1], sym=0, epsilon=1e-6),
-    _rms((3, 4, 5), "axes=[1]", [1], sym=0),
-    _rms((3, 4, 5), "axes=[2, 0]", [2, 0], epsilon=1e-3),
-    _rms((2, 3, 4), "axes=[-2, -1]", [-2, -1], sym=0),
-    _group((2, 4, 3, 2), "NCHW", sym=0, num_groups=2, channel_axis=1, axes=[2, 3]),
-    _group((2, 3, 2, 4), "NHWC", sym=0, num_groups=2, channel_axis=-1, axes=[1, 2]),
-    _group((2, 3, 2, 6), "NHWC axes=[-3, -2] center=False, offset 100", offset=100.0, num_groups=3,
+    relax_layer_norm_case((3, 4, 5), "axes=[-1]", [-1], sym=0),
+    relax_layer_norm_case((3, 4, 5), "axes=[1, 2], offset 100", [1, 2], sym=0, offset=100.0, epsilon=1e-3),
+    relax_layer_norm_case((3, 4, 5), "axes=[2, 0]", [2, 0]),
+    relax_layer_norm_case((3, 4, 5), "axes=[0]", [0], sym=2),
+    relax_layer_norm_case((2, 3, 4, 5), "axes=[-1, 1]", [-1, 1], sym=0),
+    relax_layer_norm_case((3, 4, 5), "center=False", [-1], sym=0, center=False),
+    relax_layer_norm_case((3, 4, 5), "scale=False axes=[1]", [1], scale=False),
+    relax_layer_norm_case((3, 4, 5), "center=scale=False axes=[-1, -2]", [-1, -2], center=False, scale=False),
+    relax_layer_norm_case((6,), "rank 1", [0]),
+    relax_layer_norm_case((3, 4, 5), "all axes", [0, 1, 2]),
+    relax_rms_norm_case((3, 4, 5), "axes=[-1]", [-1], sym=0, epsilon=1e-6),
+    relax_rms_norm_case((3, 4, 5), "axes=[1]", [1], sym=0),
+    relax_rms_norm_case((3, 4, 5), "axes=[2, 0]", [2, 0], epsilon=1e-3),
+    relax_rms_norm_case((2, 3, 4), "axes=[-2, -1]", [-2, -1], sym=0),
+    relax_group_norm_case((2, 4, 3, 2), "NCHW", sym=0, num_groups=2, channel_axis=1, axes=[2, 3]),
+    relax_group_norm_case((2, 3, 2, 4), "NHWC", sym=0, num_groups=2, channel_axis=-1, axes=[1, 2]),
+    relax_group_norm_case((2, 3, 2, 6), "NHWC axes=[-3, -2] center=False, offset 100", offset=100.0, num_groups=3,
            channel_axis=-1, axes=[-3, -2], center=False, epsilon=1e-3),
-    _group((2, 6, 3), "instance-like scale=False", sym=0, num_groups=6, channel_axis=1, axes=[2], scale=False),
-    _group((2, 3, 4, 6), "two batch axes", num_groups=3, channel_axis=3, axes=[2]),
-    _group((3, 6), "no spatial, center=scale=False", sym=0, num_groups=2, channel_axis=1, axes=[],
+    relax_group_norm_case((2, 6, 3), "instance-like scale=False", sym=0, num_groups=6, channel_axis=1, axes=[2], scale=False),
+    relax_group_norm_case((2, 3, 4, 6), "two batch axes", num_groups=3, channel_axis=3, axes=[2]),
+    relax_group_norm_case((3, 6), "no spatial, center=scale=False", sym=0, num_groups=2, channel_axis=1, axes=[],
            center=False, scale=False),
-    _group((2, 4, 5), "one group", num_groups=1, channel_axis=1, axes=[2]),
+    relax_group_norm_case((2, 4, 5), "one group", num_groups=1, channel_axis=1, axes=[2]),
 ]
 
 
@@ -446,25 +255,6 @@ def test_relax_norms_legalize_to_rlx_kernels():
 # -- gradient rules of Relax's own norms ----------------------------------------------------------
 
 
-def _rule_cases():
-    """(label, forward Relax builder, inputs); each differentiated as sum(norm(...) * w)."""
-    cases = [
-        _layer((2, 3, 4), "axes=[-1]", [-1]),
-        _layer((2, 3, 4), "axes=[1, 2]", [1, 2], epsilon=1e-3),
-        _layer((2, 3, 4), "axes=[2, 0]", [2, 0]),
-        _layer((2, 3, 4), "axes=[1] center=False", [1], center=False),
-        _layer((2, 3, 4), "axes=[-1] scale=False", [-1], scale=False),
-        _rms((2, 3, 4), "axes=[-1]", [-1], epsilon=1e-6),
-        _rms((2, 3, 4), "axes=[1, 2]", [1, 2], epsilon=1e-6),
-        _rms((2, 3, 4), "axes=[0]", [0]),
-        _group((2, 4, 3, 2), "NCHW", num_groups=2, channel_axis=1, axes=[2, 3]),
-        _group((2, 3, 2, 4), "NHWC", num_groups=2, channel_axis=-1, axes=[1, 2]),
-        _group((2, 2, 2, 4), "two batch axes, center=False", num_groups=2, channel_axis=3, axes=[2], center=False),
-        _group((2, 4, 3), "scale=False", num_groups=2, channel_axis=1, axes=[2], scale=False),
-    ]
-    return [(label, build, {**ins, "w": _normal(*ins["x"].shape)}) for label, build, _, ins, _ in cases]
-
-
 def _rule_module(rules):
     bb = relax.BlockBuilder()
     for i, (_, build, ins) in enumerate(rules):
@@ -477,7 +267,7 @@ def _rule_module(rules):
 
 
 def test_relax_norm_gradients_emit_rlx_ops():
-    rules = _rule_cases()
+    rules = rule_cases()
     mod = _rule_module(rules)
     for i, (label, *_) in enumerate(rules):
         text = autodiff.grad(mod, f"f{i}")[f"f{i}_adjoint"].script()
@@ -487,48 +277,6 @@ def test_relax_norm_gradients_emit_rlx_ops():
             assert f"R.rlx.{family}_norm_backward_gamma(" in text, (label, text)
 
 
-def _weighted(build):
-    return lambda *args: op.sum(op.multiply(build(*args[:-1]), args[-1]))
-
-
-def _decomposed(name, **attrs):
-    """A builder that inlines the op's decomposition, so rlx autodiff differentiates it."""
-    opdef = get_op(name)
-    return lambda *args: op.sum(op.multiply(opdef.decompose_fn(None, *args[:-1], **attrs), args[-1]))
-
-
-def _grad_cases():
-    """For tests/test_gradients.py (float32, float64, Hessian-vector products): the gradient
-    rules of R.nn.layer_norm/rms_norm/group_norm (their float64 forwards compile through the rlx
-    legalizations, checked against NumPy above), and each decomposition differentiated, i.e.
-    second order of the norms."""
-    x, dy, xg, dyg = _normal(3, 4), _normal(3, 4), _normal(2, 4, 3), _normal(2, 4, 3)
-    g, b = _scale(4), _normal(4)
-    cases = [
-        *[GradCase(f"relax.nn.{label}", ins, _weighted(build)) for label, build, ins in _rule_cases()],
-        GradCase("decomposed layer_input", {"x": x, "gamma": g, "dy": dy, "w": _normal(3, 4)},
-                 _decomposed("layer_norm_backward_input", axis=-1, eps=1e-5)),
-        GradCase("decomposed layer_gamma axis 0", {"x": x.T, "dy": dy.T, "w": _normal(4)},
-                 _decomposed("layer_norm_backward_gamma", axis=0, eps=1e-3)),
-        *[
-            GradCase(f"decomposed rms_{o}", {"x": x, "gamma": g, "beta": b, "dy": dy, "w": _normal(*shape)},
-                     _decomposed(f"rms_norm_backward_{o}", axis=-1, eps=1e-6))
-            for o, shape in (("input", (3, 4)), ("gamma", (4,)), ("beta", (4,)))
-        ],
-        GradCase("decomposed group_input", {"x": xg, "gamma": g, "beta": b, "dy": dyg, "w": _normal(2, 4, 3)},
-                 _decomposed("group_norm_backward_input", num_groups=2, eps=1e-5)),
-        *[
-            GradCase(f"decomposed group_{o}", {"x": xg, "dy": dyg, "w": _normal(4)},
-                     _decomposed(f"group_norm_backward_{o}", num_groups=2, eps=1e-5))
-            for o in ("gamma", "beta")
-        ],
-    ]
-    for c in cases:
-        c.wrt = [k for k in c.inputs if k != "w"]
-    return cases
-
-
-GRAD_CASES = _grad_cases()
 
 
 def test_grad_cases_cover_the_relax_norm_rules():
@@ -724,7 +472,7 @@ def test_dx_computed_together_uses_its_own_gamma():
     import rlx_tvm
     from rlx_tvm.testing import as_tensors, compare
 
-    x, dy, g_dx, g_other, beta = _normal(16, 32), _normal(16, 32), _scale(32), _scale(32), _normal(32)
+    x, dy, g_dx, g_other, beta = normal(16, 32), normal(16, 32), scales(32), scales(32), normal(32)
     params = [tensor_var(n, a.shape, "float64") for n, a in
               (("x", x), ("dy", dy), ("g_dx", g_dx), ("g_other", g_other), ("beta", beta))]
     px, pdy, pg, po, pb = params

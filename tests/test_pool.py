@@ -1,10 +1,9 @@
-"""max_pool2d_backward: fused and decomposed paths vs the NumPy reference, the reference vs a naive
-per-window implementation of the definition, fp64 finite differences of an independent NumPy
-max_pool2d, the SPEC §8 traps (ties, padding, overlapping windows on large inputs, ceil_mode),
-the decomposition policy, bad input, and the gradient rule of R.nn.max_pool2d (second derivative
-exactly zero)."""
-
-from functools import lru_cache
+"""max_pool2d_backward: the reference vs a naive per-window implementation of the definition, the
+GPU form, the SPEC §8 traps (ties, padding, overlapping windows on large inputs, ceil_mode) through
+both paths, the decomposition policy, bad input, the CPU kernel, and the gradient rule of
+R.nn.max_pool2d (second derivative exactly zero). Values on the samples
+(rlx_tvm.testing.samples.pool, finite differences of an independent NumPy max_pool2d) are checked
+by tests/test_ops.py."""
 
 import numpy as np
 import pytest
@@ -13,124 +12,16 @@ from tvm import relax, tirx
 
 from rlx_tvm import autodiff, ops
 from rlx_tvm.passes import DecomposeBackwardOps, count_rlx_calls
-from rlx_tvm.testing import Case, GradCase, build_module, check_cases, check_finite_differences, compare, run_cases
+from rlx_tvm.testing import build_module, compare, run_cases
+from rlx_tvm.testing.samples import gpu_form_outputs, outputs
+from rlx_tvm.testing.samples.pool import (
+    CASES, GRAD_X, POOL_ATTRS, SAMPLES, TRAP_BY_NAME, TRAP_CASES, distinct, max_pool2d_vjp, pool_loss, pool_windows,
+    pooled_size, trap_case,
+)
 
-from .helpers import MATRIX, assert_op_error, tensor_var
+from .helpers import assert_op_error, tensor_var
 
 RNG = np.random.default_rng(5)
-
-
-# -- an independent NumPy max_pool2d and its gradient, window by window --------------------------
-
-
-def _pair(v):
-    return (v, v) if isinstance(v, int) else tuple(v)
-
-
-def _pads(p):
-    if isinstance(p, int):
-        return (p, p, p, p)
-    return (p[0], p[1], p[0], p[1]) if len(p) == 2 else tuple(p)
-
-
-def _out_size(size, before, after, k, s, d, ceil_mode):
-    """PyTorch's pooled size; with ceil_mode a window starting in the trailing padding is dropped."""
-    room = size + before + after - d * (k - 1) - 1
-    out = (room + s - 1) // s + 1 if ceil_mode else room // s + 1
-    if ceil_mode and (out - 1) * s >= size + before:
-        out -= 1
-    return out
-
-
-def _windows(shape, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
-    """For each window (oy, ox): its real (in-input) positions in row-major window order."""
-    h, w = shape[2:]
-    (kh, kw), (dh, dw) = _pair(kernel_size), _pair(dilation)
-    sh, sw = _pair(stride if stride is not None else kernel_size)
-    pt, pl, pb, pr = _pads(padding)
-    ho = _out_size(h, pt, pb, kh, sh, dh, ceil_mode)
-    wo = _out_size(w, pl, pr, kw, sw, dw, ceil_mode)
-    out = {}
-    for oy in range(ho):
-        for ox in range(wo):
-            out[oy, ox] = [(oy * sh - pt + i * dh, ox * sw - pl + j * dw) for i in range(kh) for j in range(kw)
-                           if 0 <= oy * sh - pt + i * dh < h and 0 <= ox * sw - pl + j * dw < w]
-    return (ho, wo), out
-
-
-def max_pool2d(x, **attrs):
-    (ho, wo), windows = _windows(x.shape, **attrs)
-    y = np.full(x.shape[:2] + (ho, wo), -np.inf)
-    for (oy, ox), pos in windows.items():
-        for r, c in pos:
-            y[:, :, oy, ox] = np.maximum(y[:, :, oy, ox], x[:, :, r, c])
-    return y
-
-
-def max_pool2d_vjp(x, dy, **attrs):
-    """Each window's dy to its first maximal real position (a strict '>' scan in window order)."""
-    _, windows = _windows(x.shape, **attrs)
-    dx = np.zeros_like(x, dtype=np.float64)
-    for n in range(x.shape[0]):
-        for ch in range(x.shape[1]):
-            for (oy, ox), pos in windows.items():
-                best = None
-                for r, c in pos:
-                    if best is None or x[n, ch, r, c] > x[n, ch, best[0], best[1]]:
-                        best = (r, c)
-                if best is not None:
-                    dx[n, ch, best[0], best[1]] += dy[n, ch, oy, ox]
-    return dx
-
-
-# -- cases ----------------------------------------------------------------------------------------
-
-
-def _distinct(*shape):
-    """Values 0.1 apart, shuffled: no ties, and finite differences never change an argmax."""
-    return RNG.permutation(np.prod(shape)).reshape(shape) * 0.1 - 1.0
-
-
-def pool_case(label, x, batch=("x", 0), fd=True, **attrs):
-    dy = RNG.standard_normal(max_pool2d(x, **attrs).shape)
-    spec = None if batch is None else {"x": batch[1], "dy": batch[1]}
-    return Case("max_pool2d_backward", {"x": x, "dy": dy}, attrs, batch=spec, label=f"max_pool2d_backward[{label}]",
-                forward=(lambda x, a=attrs: max_pool2d(x, **a)) if fd else None, wrt="x")
-
-
-CASES = [
-    pool_case("k2, default stride", _distinct(2, 3, 6, 7), kernel_size=2),
-    pool_case("k3 s2 p1 ceil_mode", _distinct(2, 2, 7, 8), kernel_size=3, stride=2, padding=1, ceil_mode=True),
-    pool_case("k3 s1 p1 overlapping, symbolic channels", _distinct(1, 3, 6, 6), batch=("x", 1),
-              kernel_size=3, stride=1, padding=1),
-    pool_case("rect kernel, dilation, 4-tuple padding", _distinct(3, 1, 9, 8), kernel_size=(2, 3), stride=(2, 1),
-              padding=(1, 0, 0, 1), dilation=(2, 1)),
-    # dilated windows visited by window, not by tap (k3 d2 s3: 2x2 candidate windows < 9 taps), ceil_mode
-    pool_case("k3 s3 d2 p1 ceil_mode", _distinct(1, 2, 11, 10), kernel_size=3, stride=3, padding=1, dilation=2,
-              ceil_mode=True),
-    pool_case("ties: rounded input", np.round(RNG.standard_normal((2, 2, 6, 6))), fd=False,
-              kernel_size=3, stride=2, padding=1),
-    # Rows of several 16-window vectors (the CPU kernel's unit), the last one partly past the
-    # row's windows; at width 65 the last input column is in no window (wo = 32: two full vectors).
-    pool_case("k3 s2 p1, wide rows", _distinct(1, 2, 9, 70), fd=False, kernel_size=3, stride=2, padding=1),
-    pool_case("k2 s2, wide rows, last column in no window", _distinct(2, 1, 4, 65), fd=False, kernel_size=2),
-]
-CASE_BY_NAME = {c.name: c for c in CASES}
-
-
-@lru_cache(maxsize=None)
-def _outputs(dtype, symbolic, path, cases="CASES"):
-    """Outputs by case name of one case set; cached, so each module is compiled once."""
-    selected = [c for c in CASE_SETS[cases] if c.batch is not None or not symbolic]
-    return dict(zip((c.name for c in selected), run_cases(selected, dtype, symbolic=symbolic, path=path)))
-
-
-@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
-def test_matches_reference(dtype, shape_mode, path):
-    outs = _outputs(dtype, shape_mode == "symbolic", path)
-    failures = [f"{name}: {problem}" for name, out in outs.items()
-                if (problem := compare(out, CASE_BY_NAME[name].reference(dtype), dtype))]
-    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("dtype,symbolic", [("float64", False), ("float32", False), ("float64", True)])
@@ -140,7 +31,10 @@ def test_gpu_form_matches_reference(dtype, symbolic):
     with tvm.target.Target("cuda"):
         gpu = relax.transform.LegalizeOps()(build_module(CASES[:1], dtype, False))
     assert "max_pool2d_dx_acc" in gpu.script()  # the gather form, not the scatter
-    check_cases(CASES, dtype, symbolic, "fused", legalize_for="cuda")
+    outs = gpu_form_outputs(dtype, symbolic)
+    selected = [c for c in SAMPLES if c.batch is not None or not symbolic]
+    failures = [f"{c.name}: {p}" for c in selected if (p := compare(outs[c.name], c.reference(dtype), dtype))]
+    assert not failures, "\n".join(failures)
 
 
 def test_reference_matches_the_definition():
@@ -149,31 +43,7 @@ def test_reference_matches_the_definition():
         np.testing.assert_allclose(case.reference(), want, rtol=1e-13, atol=1e-13, err_msg=case.name)
 
 
-def test_finite_differences():
-    check_finite_differences(CASES)
-
-
 # -- SPEC §8 traps: both paths, float64, vs the window-by-window definition ------------------------
-
-
-def _trap(label, x, dy=None, **attrs):
-    dy = RNG.standard_normal(max_pool2d(x, **attrs).shape) if dy is None else dy
-    return Case("max_pool2d_backward", {"x": x, "dy": dy}, attrs, batch={"x": 0, "dy": 0}, label=label)
-
-
-_all_neg_inf = -RNG.uniform(1.0, 2.0, (1, 2, 5, 5))
-_all_neg_inf[0, 1] = -np.inf
-TRAP_CASES = [
-    _trap("ties: constant input", np.full((2, 2, 5, 5), 0.5), kernel_size=3, stride=2, padding=1),
-    _trap("ties: constant input, overlapping", np.zeros((1, 1, 5, 6)), kernel_size=3, stride=1, padding=1),
-    _trap("padding: all negative, one channel all -inf", _all_neg_inf, kernel_size=3, stride=2, padding=1),
-    _trap("overlapping k3 s1 on 2*1*50*50 > 4096 elements", _distinct(2, 1, 50, 50), kernel_size=3, stride=1),
-    _trap("ceil_mode", _distinct(1, 2, 8, 8), kernel_size=3, stride=2, ceil_mode=True),
-    _trap("ceil_mode drops a window starting in the padding", _distinct(1, 1, 5, 5), kernel_size=2, stride=2,
-          padding=1, ceil_mode=True),
-]
-TRAP_BY_NAME = {c.name: c for c in TRAP_CASES}
-CASE_SETS = {"CASES": CASES, "TRAP_CASES": TRAP_CASES}
 
 
 def _trap_results(name):
@@ -183,7 +53,7 @@ def _trap_results(name):
     outs = {}
     for symbolic in (False, True):
         for path in ("fused", "decomposed"):
-            out = _outputs("float64", symbolic, path, "TRAP_CASES")[name]
+            out = outputs("float64", symbolic, path)[name]
             np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12, err_msg=f"{name} {path} symbolic={symbolic}")
             outs[path, symbolic] = out
     return case, outs
@@ -193,7 +63,7 @@ def test_ties_one_winner_per_window_the_first():
     for name in ("ties: constant input", "ties: constant input, overlapping"):
         case, outs = _trap_results(name)
         x, dy = case.inputs["x"], case.inputs["dy"]
-        _, windows = _windows(x.shape, **case.attrs)
+        _, windows = pool_windows(x.shape, **case.attrs)
         # On a constant input every window's first real position wins, and only it.
         want = np.zeros_like(x)
         for (oy, ox), pos in windows.items():
@@ -280,30 +150,13 @@ def test_bad_input_dtype():
 # -- the gradient of R.nn.max_pool2d; its second derivative is exactly zero -----------------------
 
 
-def _pool_loss(square, **attrs):
-    def build(x, c):
-        y = relax.op.nn.max_pool2d(x, **attrs)
-        return relax.op.sum(relax.op.multiply(relax.op.multiply(y, y) if square else y, c))
-
-    return build
-
-
-_POOL = dict(pool_size=3, strides=2, padding=1, ceil_mode=True)
-_x = _distinct(2, 2, 6, 7)
-# For tests/test_gradients.py (first order float32/float64, Hessian-vector products).
-GRAD_CASES = [
-    GradCase("max_pool2d k3 s2 p1 ceil (squared)", {"x": _x, "c": RNG.standard_normal((2, 2, 4, 4))},
-             _pool_loss(True, **_POOL), wrt=["x"]),
-]
-
-
 def _pool_loss_module() -> tvm.IRModule:
     """``f(x, c) = sum(max_pool2d(x) * c)`` in float64, the loss the rule tests differentiate."""
     bb = relax.BlockBuilder()
-    params = [tensor_var("x", _x.shape, "float64"), tensor_var("c", (2, 2, 4, 4), "float64")]
+    params = [tensor_var("x", GRAD_X.shape, "float64"), tensor_var("c", (2, 2, 4, 4), "float64")]
     with bb.function("f", params):
         with bb.dataflow():
-            out = bb.emit_output(_pool_loss(False, **_POOL)(*params))
+            out = bb.emit_output(pool_loss(False, **POOL_ATTRS)(*params))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -316,12 +169,12 @@ def test_max_pool2d_gradient_rule_emits_the_rlx_op():
 def test_second_derivative_is_exactly_zero():
     """H v for a loss linear in max_pool2d(x): the decomposition's x-dependence is only through
     comparisons, so the Hessian is exactly 0 (not merely small), and the gradient is the definition's."""
-    ties = np.round(RNG.standard_normal(_x.shape))  # ties too: the first max wins in both orders
+    ties = np.round(RNG.standard_normal(GRAD_X.shape))  # ties too: the first max wins in both orders
     mod = autodiff.hvp(_pool_loss_module(), "f", wrt=["x"])
     vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
     c = RNG.standard_normal((2, 2, 4, 4))
     attrs = dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)
-    for x in (_x, ties):
+    for x in (GRAD_X, ties):
         _, (grad,), (hv,) = vm["f_hvp"](*[tvm.runtime.tensor(a) for a in (x, c, RNG.standard_normal(x.shape))])
         np.testing.assert_array_equal(hv.numpy(), 0.0)
         np.testing.assert_allclose(grad.numpy(), max_pool2d_vjp(x, c, **attrs), rtol=1e-12, atol=1e-12)
@@ -338,10 +191,10 @@ def test_cpu_kernel_is_one_parallel_loop_over_planes():
     ties = np.round(RNG.standard_normal((2, 3, 32, 32)))
     ties[1, 2] = -np.inf
     wide = np.round(RNG.standard_normal((1, 2, 5, 70)) * 2)  # 35 windows per row: 3 vectors, the last partly used
-    xs = [ties, _distinct(2, 3, 32, 32), wide]
+    xs = [ties, distinct(2, 3, 32, 32), wide]
     for dtype in ("float32", "float64"):
-        cases = [_trap(f"{dtype} {i}", x.astype(dtype), **attrs) for i, x in enumerate(xs)]
-        cases.append(_trap(f"{dtype} dilated", _distinct(1, 2, 6, 75).astype(dtype), kernel_size=(2, 3), stride=(1, 2),
+        cases = [trap_case(f"{dtype} {i}", x.astype(dtype), **attrs) for i, x in enumerate(xs)]
+        cases.append(trap_case(f"{dtype} dilated", distinct(1, 2, 6, 75).astype(dtype), kernel_size=(2, 3), stride=(1, 2),
                            padding=(0, 2), dilation=(1, 3), ceil_mode=True))
         lowered = build.lower(build_module(cases, dtype, False), cpu_target(), tuning_log=None, verbose=False)
         names = [g.name_hint for g, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
@@ -360,7 +213,7 @@ def test_cpu_kernel_is_one_parallel_loop_over_planes():
 def test_half_precision_inputs():
     """float16 and bfloat16 x/dy: compared and accumulated in float32 (overlapping k3 s1 windows
     add up to 9 dy values per input), rounded once; the result has the input dtype."""
-    case = _trap("half, overlapping", _distinct(2, 3, 9, 40), kernel_size=3, stride=1, padding=1)
+    case = trap_case("half, overlapping", distinct(2, 3, 9, 40), kernel_size=3, stride=1, padding=1)
     for dtype in ("float16", "bfloat16"):
         ref = case.reference(dtype)  # exact math on the rounded inputs
         (out,) = run_cases([case], dtype, symbolic=False, path="fused")
@@ -376,7 +229,7 @@ def test_llvm_intrinsics_only_for_llvm_targets():
     from rlx_tvm import build
     from rlx_tvm.target import cpu_target
 
-    case = _trap("prefetch", _distinct(1, 2, 8, 40), kernel_size=3, stride=2, padding=1)
+    case = trap_case("prefetch", distinct(1, 2, 8, 40), kernel_size=3, stride=2, padding=1)
     for target, expected in ((cpu_target(), True), (tvm.target.Target("c"), False)):
         lowered = build.lower(build_module([case], "float32", False), target, tuning_log=None, verbose=False)
         script = lowered["rlx_max_pool2d_backward"].script()
@@ -399,12 +252,13 @@ def test_cpu_kernel_scalar_and_vector_paths_agree():
         (dict(kernel_size=(3, 3), stride=(2, 2), padding=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False), (4, 69)),
         (dict(kernel_size=(2, 3), stride=(1, 2), padding=(0, 2, 0, 2), dilation=(1, 3), ceil_mode=True), (5, 75)),
     ]
+    checks, kernels = [], {}  # every kernel in one module, compiled once
     for dtype in ("float32", "float64"):
         for attrs, (h, w) in geometries:
             x = np.round(RNG.standard_normal((2, 3, h, w)) * 2).astype(dtype)  # ties
             (pt, pl, pb, pr), (kh, kw), (sh, sw), (dh, dw) = attrs["padding"], attrs["kernel_size"], attrs["stride"], attrs["dilation"]
-            ho = _out_size(h, pt, pb, kh, sh, dh, attrs["ceil_mode"])
-            wo = _out_size(w, pl, pr, kw, sw, dw, attrs["ceil_mode"])
+            ho = pooled_size(h, pt, pb, kh, sh, dh, attrs["ceil_mode"])
+            wo = pooled_size(w, pl, pr, kw, sw, dw, attrs["ceil_mode"])
             dy = RNG.standard_normal((2, 3, ho, wo)).astype(dtype)
             hp = max(pt + h, (ho - 1) * sh + (kh - 1) * dh + 1)
             want = max_pool2d_vjp(x.astype("float64"), dy.astype("float64"), **attrs).reshape(2, 3, h * w)
@@ -412,7 +266,11 @@ def test_cpu_kernel_scalar_and_vector_paths_agree():
                 kernel = _cpu_kernel(dtype, dtype, 2, 3, (h, w), (ho, wo), (sh, sw), (dh, dw), (kh, kw), (pt, pl), hp,
                                      llvm, lanes)
                 assert ("T.Shuffle" in kernel.script()) == llvm
-                f = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target=cpu_target())
-                got = tvm.runtime.empty((2, 3, h * w), dtype)
-                f(tvm.runtime.tensor(x), tvm.runtime.tensor(dy), got)
-                np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6, err_msg=f"{dtype} {attrs} {w} llvm={llvm} lanes={lanes}")
+                name = f"k{len(kernels)}"
+                kernels[name] = kernel.with_attr("global_symbol", name)
+                checks.append((name, x, dy, want, f"{dtype} {attrs} {w} llvm={llvm} lanes={lanes}"))
+    lib = tvm.compile(tvm.IRModule(kernels), target=cpu_target())
+    for name, x, dy, want, label in checks:
+        got = tvm.runtime.empty(want.shape, str(x.dtype))
+        lib[name](tvm.runtime.tensor(x), tvm.runtime.tensor(dy), got)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6, err_msg=label)

@@ -3,8 +3,10 @@
 Every ``ste`` of fake_quantize_backward is a surrogate gradient (a straight-through estimator),
 not the derivative of fake_quantize, whose true derivative is 0 almost everywhere (a step
 function). So the op is checked against an independent NumPy implementation of the SPEC §2
-formulas, written literally below, and against finite differences of the smooth surrogate each
-estimator is the exact derivative of (identity, clip, s tanh(x / s), the hardtanh integral).
+formulas, written literally (rlx_tvm.testing.samples.quantize), and against finite differences
+of the smooth surrogate each estimator is the exact derivative of (identity, clip, s tanh(x / s),
+the hardtanh integral). The samples' values against the op references are checked by
+tests/test_ops.py.
 """
 
 import functools
@@ -18,114 +20,18 @@ from rlx_tvm import autodiff, ops
 from rlx_tvm.ops import get_op
 from rlx_tvm.passes import count_rlx_calls
 from rlx_tvm.testing import Case, GradCase, check_gradients, check_nth_order, compare, finite_difference_vjp, run_cases
+from rlx_tvm.testing.samples import outputs as sample_outputs
+from rlx_tvm.testing.samples.quantize import CASES, STES, quant_input, spec_backward, spec_fake_quantize, spec_scale
 
-from .helpers import MATRIX, assert_op_error, tensor_var
+from .helpers import assert_op_error, tensor_var
 
 RNG = np.random.default_rng(5)
-STES = ("identity", "clipped", "tanh", "hardtanh")
 
 
-# -- an independent NumPy implementation of SPEC §2, written literally ----------------------------
-
-
-def spec_scale(x, bits, axis):
-    """s = max(max|x| / q, 1e-12), one per tensor or per index of ``axis`` (max over all other axes)."""
-    q = 2 ** (bits - 1) - 1
-    if axis is None:
-        return q, max(np.abs(x).max() / q, 1e-12)
-    moved = np.moveaxis(np.abs(x), axis, 0).reshape(x.shape[axis], -1)
-    s = np.maximum(moved.max(axis=1) / q, 1e-12)
-    shape = [1] * x.ndim
-    shape[axis] = x.shape[axis]
-    return q, s.reshape(shape)
-
-
-def spec_fake_quantize(x, bits, axis=None):
-    q, s = spec_scale(x, bits, axis)
-    return np.clip(np.round(x / s), -q, q) * s  # half to even, as the kernels round
-
-
-def spec_backward(x, dy, bits, axis=None, ste="identity"):
-    q, s = spec_scale(x, bits, axis)
-    if ste == "identity":
-        return dy
-    if ste == "clipped":
-        return dy * (np.abs(x) <= q * s)
-    if ste == "tanh":
-        return dy * (1 - np.tanh(x / s) ** 2)
-    return dy * np.maximum(0, 1 - np.abs(x) / (q * s))
-
-
-# -- inputs -------------------------------------------------------------------------------------------
-
-
-def quant_input(shape, bits, axis=None, rng=RNG):
-    """Random values whose slices (along ``axis``, or the whole tensor) differ in magnitude by
-    powers of 4, each with its max|x| an exact multiple of q, so that ``m / q * q == m`` holds in
-    every float dtype (the SPEC's literal ``q*s`` then equals the max exactly), and with no
-    element within 2% of a step of a rounding tie (float32 and float64 round alike)."""
-    q = 2 ** (bits - 1) - 1
-    x = rng.uniform(-1, 1, shape)
-    slices = x[None] if axis is None else np.moveaxis(x, axis, 0)  # views: writes go to x
-    for k in range(len(slices)):
-        part = slices[k, ...]  # a view, also when the slice is a single element
-        # max|x| = q * t with t a short dyadic number >= 1/q: exact, and above every other |x| < 1.
-        t = 2.0 ** np.ceil(np.log2(1.0 / q)) * (1 + rng.integers(0, 8) / 8)
-        part[np.unravel_index(rng.integers(part.size), part.shape)] = rng.choice([-1.0, 1.0]) * q * t
-        part *= 4.0 ** (k - len(slices) // 2)
-        s = np.abs(part).max() / q
-        r = np.abs(part) / s
-        near_tie = (np.abs(r - np.floor(r) - 0.5) < 0.02) & (r < q - 1)
-        part[near_tie] -= np.sign(part[near_tie]) * 0.05 * s
-    return x
-
-
-CONFIGS = [  # (shape, axis, bits): per tensor, per axis on every axis position, a square matrix
-    ((4, 6), None, 8),
-    ((4, 6), 0, 4),
-    ((4, 6), 1, 2),
-    ((2, 3, 4), 1, 8),
-    ((2, 3, 4), -1, 4),
-    ((5, 5), 0, 2),
-    ((5, 5), 1, 8),
-    ((7,), 0, 4),  # rank 1 per axis: every element is its own slice
-]
-
-
-def _cases():
-    cases = []
-    for shape, axis, bits in CONFIGS:
-        x = quant_input(shape, bits, axis)
-        batch = {"x": 0} if len(shape) > 1 else None
-        attrs = {"bits": bits} if axis is None else {"bits": bits, "axis": axis}
-        cases.append(Case("fake_quantize", {"x": x}, attrs, batch=batch, label=f"fake_quantize[{shape},{axis},{bits}]"))
-    # Every estimator per tensor and per axis (a different per-axis config each), bits cycling.
-    for k, ste in enumerate(STES):
-        for j, config in enumerate((0, 1 + k)):
-            shape, axis, _ = CONFIGS[config]
-            bits = (2, 4, 8)[(2 * k + j) % 3]
-            x = quant_input(shape, bits, axis)
-            attrs = {"bits": bits, "ste": ste} if axis is None else {"bits": bits, "axis": axis, "ste": ste}
-            cases.append(Case("fake_quantize_backward", {"x": x, "dy": RNG.standard_normal(shape)}, attrs,
-                              batch={"x": 0, "dy": 0}, label=f"fake_quantize_backward[{ste},{shape},{axis},{bits}]"))
-    return cases
-
-
-CASES = _cases()
-
-
-@functools.lru_cache(maxsize=None)
 def outputs(dtype, symbolic, path):
-    return run_cases(CASES, dtype, symbolic=symbolic, path=path)
-
-
-@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
-def test_matches_reference(dtype, shape_mode, path):
-    symbolic = shape_mode == "symbolic"
-    selected = [c for c in CASES if c.batch is not None] if symbolic else CASES
-    problems = [(c.name, compare(o, c.reference(dtype), dtype)) for c, o in zip(selected, outputs(dtype, symbolic, path))]
-    failures = [f"{n}: {p}" for n, p in problems if p]
-    assert not failures, f"{len(failures)} of {len(selected)} cases differ:\n" + "\n".join(failures)
+    """The samples' outputs, in the order of CASES (static: every sample has one)."""
+    outs = sample_outputs(dtype, symbolic, path)
+    return [outs[c.name] for c in CASES if c.batch is not None or not symbolic]
 
 
 def surrogate_forward(ste, x, s, qs):

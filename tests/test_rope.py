@@ -1,149 +1,21 @@
-import functools
+"""rope and rope_backward: the references vs an independent NumPy rope (explicit rotation
+matrices), every combination covered, the SPEC §8 traps through both paths (on the samples'
+outputs, checked against the references by tests/test_ops.py), autodiff and second order, float16,
+and bad input."""
 
 import numpy as np
 import pytest
 from tvm import relax, tirx
 
 from rlx_tvm.ops import get_op
-from rlx_tvm.ops.rope import STYLES, rope
-from rlx_tvm.testing import (
-    Case,
-    GradCase,
-    check_finite_differences,
-    check_gradients,
-    check_nth_order,
-    check_second_order,
-    compare,
-    run_cases,
-)
+from rlx_tvm.ops.rope import rope
+from rlx_tvm.testing import Case, GradCase, check_gradients, check_nth_order, check_second_order, run_cases
+from rlx_tvm.testing.samples import outputs
+from rlx_tvm.testing.samples.rope import B, CASES, H, PARTIAL, S, np_rope, rope_tables
 
-from .helpers import MATRIX, assert_op_error, tensor_var
+from .helpers import assert_op_error, tensor_var
 
 RNG = np.random.default_rng(11)
-B, S, H = 2, 3, 2
-
-
-# -- an independent NumPy rope: one explicit rotation matrix per table row ------------------------
-
-
-def _pairs(n_rot, style):
-    h = n_rot // 2
-    return [(i, i + h) for i in range(h)] if style == "neox" else [(2 * i, 2 * i + 1) for i in range(h)]
-
-
-def rotation_matrices(cos, sin, head_dim, n_rot, style):
-    """[rows, head_dim, head_dim]: identity except the 2x2 rotation [[c, -s], [s, c]] on each pair."""
-    rows = cos.shape[0]
-    r = np.tile(np.eye(head_dim), (rows, 1, 1))
-    for k, (i, j) in enumerate(_pairs(n_rot, style)):
-        c, s = cos[:, k], sin[:, k]
-        r[:, i, i], r[:, i, j], r[:, j, i], r[:, j, j] = c, -s, s, c
-    return r
-
-
-def np_rope(x, cos, sin, *, head_dim, n_rot=None, style="neox", transpose=False):
-    n_rot = head_dim if n_rot is None else n_rot
-    b, s = x.shape[:2]
-    x4 = x.reshape(b, s, -1, head_dim)
-    r = rotation_matrices(cos, sin, head_dim, n_rot, style)
-    if transpose:
-        r = r.transpose(0, 2, 1)
-    rows = np.arange(s)[None, :].repeat(b, 0) if cos.shape[0] == s else np.arange(b * s).reshape(b, s)
-    return np.einsum("bsij,bshj->bshi", r[rows], x4).reshape(x.shape)
-
-
-# -- cases ------------------------------------------------------------------------------------------
-#
-# Cases come in groups sharing one table pair and one set of attributes. A "partial" group (3 heads,
-# head_dim 6, n_rot 4) holds rope and rope_backward, each on a [B, S, H, hd] array and on the same
-# array viewed as [B, S, H*hd]: the trap tests compare those outputs with each other. The full-rotary
-# cases (n_rot == head_dim) have each op with each style, table kinds and layouts alternating; two more
-# make the sequence length S the symbolic dim.
-
-
-def _tables(rows, n_rot):
-    ang = RNG.uniform(-np.pi, np.pi, (rows, n_rot // 2))
-    return np.cos(ang), np.sin(ang)
-
-
-def _case(op, act_value, cos, sin, attrs, label, batch):
-    act = "x" if op == "rope" else "dy"
-    case = Case(op, {act: act_value, "cos": cos, "sin": sin}, attrs, batch=batch, label=label)
-    if op == "rope_backward":
-        # dx is the VJP of the forward rope (linear in x, so any x): finite differences of np_rope.
-        case.forward = functools.partial(np_rope, **attrs)
-        case.wrt = "x"
-        case.fd_extra = {"x": RNG.standard_normal(act_value.shape)}
-    return case
-
-
-def _group(style, per_token, heads, head_dim, n_rot, layouts, symbolic_seq=False):
-    """{(op, rank): Case} for the given (op, rank) layouts."""
-    cos, sin = _tables(B * S if per_token else S, n_rot)
-    attrs = {"head_dim": head_dim, "style": style}
-    if n_rot != head_dim:
-        attrs["n_rot"] = n_rot
-    if symbolic_seq:  # S is the symbolic dim n: per-token tables have B*n rows, per-position ones n
-        act_dim, table_spec = 1, ((0, B) if per_token else 0)
-    else:  # B is the symbolic dim n: per-token tables have n*S rows, per-position ones stay static
-        act_dim, table_spec = 0, ((0, S) if per_token else None)
-    tables = {} if table_spec is None else {"cos": table_spec, "sin": table_spec}
-    out = {}
-    for op, rank in layouts:
-        act = "x" if op == "rope" else "dy"
-        x4 = RNG.standard_normal((B, S, heads, head_dim))
-        value = x4 if rank == 4 else x4.reshape(B, S, heads * head_dim)
-        label = f"{op}[{style},rank{rank},{'token' if per_token else 'position'},H={heads},n_rot={n_rot}/{head_dim}]"
-        out[(op, rank)] = _case(op, value, cos, sin, attrs, label + (" symbolic S" if symbolic_seq else ""),
-                                {act: act_dim, **tables})
-    return out
-
-
-def _partial_group(style, per_token):
-    g = _group(style, per_token, 3, 6, 4, [("rope", 4), ("rope_backward", 4)])
-    for op, act in (("rope", "x"), ("rope_backward", "dy")):  # the same numbers in rank 3
-        c = g[(op, 4)]
-        flat = Case(op, {**c.inputs, act: c.inputs[act].reshape(B, S, -1)}, c.attrs, batch=c.batch,
-                    label=c.label.replace("rank4", "rank3"), forward=c.forward, wrt=c.wrt)
-        if c.fd_extra:
-            flat.fd_extra = {"x": c.fd_extra["x"].reshape(B, S, -1)}
-        g[(op, 3)] = flat
-    return g
-
-
-FULL = [("rope", "neox", True, 4), ("rope_backward", "neox", False, 3), ("rope", "gptj", False, 3), ("rope_backward", "gptj", True, 4)]
-PARTIAL = {(style, per_token): _partial_group(style, per_token) for style in STYLES for per_token in (False, True)}
-
-
-def _cases():
-    cases = [c for g in PARTIAL.values() for c in g.values()]
-    for op, style, per_token, rank in FULL:
-        cases += _group(style, per_token, 2, 4, 4, [(op, rank)]).values()
-    cases += _group("neox", True, 2, 6, 4, [("rope", 3)], symbolic_seq=True).values()
-    cases += _group("gptj", False, 2, 4, 4, [("rope_backward", 4)], symbolic_seq=True).values()
-    return cases
-
-
-CASES = _cases()
-
-
-@functools.lru_cache(maxsize=None)
-def outputs(dtype, symbolic, path):
-    """Every selected case's output, compiled once per (dtype, shape mode, path) for all tests."""
-    return run_cases(CASES, dtype, symbolic=symbolic, path=path)
-
-
-@pytest.mark.parametrize("dtype,shape_mode,path", MATRIX)
-def test_matches_reference(dtype, shape_mode, path):
-    symbolic = shape_mode == "symbolic"
-    selected = [c for c in CASES if c.batch is not None] if symbolic else CASES
-    problems = [(c.name, compare(o, c.reference(dtype), dtype)) for c, o in zip(selected, outputs(dtype, symbolic, path))]
-    failures = [f"{n}: {p}" for n, p in problems if p]
-    assert not failures, f"{len(failures)} of {len(selected)} cases differ:\n" + "\n".join(failures)
-
-
-def test_finite_differences():
-    check_finite_differences(CASES)
 
 
 def test_reference_matches_independent_numpy():
@@ -169,7 +41,7 @@ def test_every_combination_is_covered():
 
 
 def _output_of(case, path):
-    return outputs("float64", False, path)[next(i for i, c in enumerate(CASES) if c is case)]
+    return outputs("float64", False, path)[case.name]
 
 
 @pytest.mark.parametrize("path", ["fused", "decomposed"])
@@ -203,7 +75,7 @@ def test_backward_is_transpose_of_forward(path):
 def test_single_batch_tables_agree():
     """B == 1: [S, n/2] reads as per position and per token alike; both give the same result."""
     x = RNG.standard_normal((1, S, H * 4))
-    cos, sin = _tables(S, 4)
+    cos, sin = rope_tables(S, 4)
     out = run_cases([Case("rope", {"x": x, "cos": cos, "sin": sin}, {"head_dim": 4})], "float64", False, "fused")[0]
     np.testing.assert_allclose(out, np_rope(x, cos, sin, head_dim=4), rtol=1e-12, atol=1e-12)
 
@@ -217,7 +89,7 @@ def test_autodiff_through_rope():
 
     cases = []
     for per_token in (False, True):
-        cos, sin = _tables(B * S if per_token else S, 4)
+        cos, sin = rope_tables(B * S if per_token else S, 4)
         shape = (B, S, H * 6) if per_token else (B, S, H, 6)
         ins = {"x": RNG.standard_normal(shape), "cos": cos, "sin": sin, "w": RNG.standard_normal(shape)}
         cases.append(GradCase(f"rope(per_token={per_token})", ins, build(per_token), wrt=["x", "cos", "sin"]))
@@ -228,7 +100,7 @@ def test_second_order_through_rope():
     """Hessian-vector products of a non-linear loss of rope (x and both tables): the gradient rule's
     rope_backward and table gradients decompose into primitives that are differentiated again."""
     op = relax.op
-    cos, sin = _tables(S, 4)
+    cos, sin = rope_tables(S, 4)
     x = RNG.standard_normal((B, S, H * 6))
 
     def loss(x, cos, sin):

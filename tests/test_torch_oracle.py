@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from rlx_tvm import ops
-from rlx_tvm.testing import GradCase, as_tensors, build_grad_module, gradient_mismatch
+from rlx_tvm.testing import CHECK_TARGET, GradCase, as_tensors, build_grad_module, gradient_mismatch
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -160,7 +160,7 @@ def _torch_grads(case, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_autodiff_matches_torch_autograd(dtype):
     mod = build_grad_module(CASES, dtype)
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target(CHECK_TARGET)), tvm.cpu())
     rtol, atol = (1e-4, 1e-5) if dtype == "float32" else (1e-10, 1e-12)
     failures = []
     for i, case in enumerate(CASES):

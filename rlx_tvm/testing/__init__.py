@@ -1,8 +1,8 @@
 """Numerical checking helpers for rlx ops: build many cases into one module, compile once, run.
 
-``import tvm`` and each ``tvm.compile`` cost seconds, so tests batch every case of an op family
-into one IRModule (one Relax function per case) and compile it once per (dtype, shape mode,
-path).
+``import tvm`` and each ``tvm.compile`` cost seconds, so tests batch cases into one IRModule (one
+Relax function per case) and compile it once per (dtype, shape mode, path); the sample inputs of
+every op are declared in :mod:`rlx_tvm.testing.samples`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from .ops.registry import get_op
-from .passes import DecomposeBackwardOps, FuseSiblingBackwardOps
+from ..ops.registry import get_op
+from ..passes import DecomposeBackwardOps, FuseSiblingBackwardOps
 
 # Numerical checks compile without LLVM's optimizations: the TensorIR under test is the same, and
 # building is ~3x faster. (The demo, the example model and the benchmarks build at full opt-level.)
@@ -34,7 +34,8 @@ def cast_floats(inputs: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarr
 
 
 def as_tensors(arrays) -> list:
-    return [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays]
+    """Runtime tensors of C-contiguous copies of ``arrays`` (0-d arrays stay 0-d)."""
+    return [tvm.runtime.tensor(np.ascontiguousarray(a).reshape(np.shape(a))) for a in arrays]
 
 
 def gradient_mismatch(got, ref, rtol: float, atol: float) -> str | None:
@@ -203,22 +204,28 @@ def finite_difference_vjp(
     return grad
 
 
+def finite_difference_mismatch(case: Case, out: np.ndarray, rtol: float = 1e-5, atol: float = 1e-6) -> str | None:
+    """None when ``out`` (the op's float64 output for ``case``) equals the finite-difference VJP of
+    the case's independent ``forward``, else the error."""
+    ins = case.cast_inputs("float64")
+    primals = {k: v for k, v in ins.items() if k != case.cotangent}
+    primals.update({k: np.asarray(v, dtype=np.float64) for k, v in case.fd_extra.items()})
+    fd = finite_difference_vjp(case.forward, primals, case.wrt, ins[case.cotangent])
+    scale = max(1.0, float(np.max(np.abs(fd))))
+    if out.shape != fd.shape or not np.allclose(out, fd, rtol=rtol, atol=atol * scale):
+        err = np.max(np.abs(out - fd)) if out.shape == fd.shape else f"shape {out.shape} vs {fd.shape}"
+        return f"max abs err vs finite differences {err}"
+    return None
+
+
 def check_finite_differences(cases: Sequence[Case], rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Every case with a ``forward``: the op's fused fp64 output equals the finite-difference VJP
     of the forward."""
     selected = [c for c in cases if c.forward is not None]
     assert selected, "no cases with a forward"
     outs = run_cases(selected, "float64", symbolic=False, path="fused")
-    failures = []
-    for case, out in zip(selected, outs):
-        ins = case.cast_inputs("float64")
-        primals = {k: v for k, v in ins.items() if k != case.cotangent}
-        primals.update({k: np.asarray(v, dtype=np.float64) for k, v in case.fd_extra.items()})
-        fd = finite_difference_vjp(case.forward, primals, case.wrt, ins[case.cotangent])
-        scale = max(1.0, float(np.max(np.abs(fd))))
-        if out.shape != fd.shape or not np.allclose(out, fd, rtol=rtol, atol=atol * scale):
-            err = np.max(np.abs(out - fd)) if out.shape == fd.shape else f"shape {out.shape} vs {fd.shape}"
-            failures.append(f"{case.name}: max abs err vs finite differences {err}")
+    failures = [f"{case.name}: {problem}" for case, out in zip(selected, outs)
+                if (problem := finite_difference_mismatch(case, out, rtol, atol))]
     assert not failures, f"{len(failures)} of {len(selected)} cases differ from finite differences:\n" + "\n".join(failures)
 
 
@@ -263,7 +270,7 @@ def scalar_functions(cases: Sequence[GradCase], dtype: str) -> tvm.IRModule:
 
 def build_grad_module(cases: Sequence[GradCase], dtype: str) -> tvm.IRModule:
     """``scalar_functions``, each differentiated with rlx autodiff."""
-    from . import autodiff
+    from .. import autodiff
 
     mod = scalar_functions(cases, dtype)
     for i, case in enumerate(cases):
@@ -271,17 +278,34 @@ def build_grad_module(cases: Sequence[GradCase], dtype: str) -> tvm.IRModule:
     return mod
 
 
-def check_gradients(cases: Sequence[GradCase], dtype: str, eps: float = 1e-6) -> None:
+_GRAD_VMS: dict = {}
+
+
+def _grad_vm(cases: Sequence[GradCase], dtype: str, hvp: bool = False):
+    """VM of :func:`build_grad_module` (with ``autodiff.hvp`` of every case when ``hvp``),
+    compiled once per (cases, dtype, hvp) and shared by the checks below."""
+    key = (tuple(id(c) for c in cases), dtype, hvp)
+    if key not in _GRAD_VMS:
+        from .. import autodiff
+
+        mod = build_grad_module(cases, dtype)
+        if hvp:
+            for i, case in enumerate(cases):
+                mod = autodiff.hvp(mod, f"f{i}", wrt=case.wrt_names())
+        _GRAD_VMS[key] = (relax.VirtualMachine(tvm.compile(mod, tvm.target.Target(CHECK_TARGET)), tvm.cpu()), cases)
+    return _GRAD_VMS[key][0]
+
+
+def check_gradients(cases: Sequence[GradCase], dtype: str, eps: float = 1e-6, with_second_order: bool = False) -> None:
     """rlx autodiff gradients vs central finite differences of the compiled float64 forward.
 
     The forward evaluated for the finite differences is the same compiled function in float64,
     whose ops are each checked against NumPy elsewhere; the gradients come from the adjoint
-    function compiled for ``dtype``.
+    function compiled for ``dtype``. ``with_second_order``: the float64 module also holds the
+    Hessian-vector products, so that :func:`check_second_order` of the same cases reuses it.
     """
-    mod = build_grad_module(cases, dtype)
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
-    fwd = mod if dtype == "float64" else build_grad_module(cases, "float64")
-    vm64 = vm if dtype == "float64" else relax.VirtualMachine(tvm.compile(fwd, "llvm"), tvm.cpu())
+    vm64 = _grad_vm(cases, "float64", hvp=with_second_order)
+    vm = vm64 if dtype == "float64" else _grad_vm(cases, dtype)
     rtol, atol = (2e-3, 2e-4) if dtype == "float32" else (1e-5, 1e-7)
     failures = []
     for i, case in enumerate(cases):
@@ -303,12 +327,7 @@ def check_gradients(cases: Sequence[GradCase], dtype: str, eps: float = 1e-6) ->
 def check_second_order(cases: Sequence[GradCase], eps: float = 1e-5, rtol: float = 1e-5, atol: float = 1e-7) -> None:
     """float64 Hessian-vector products (``autodiff.hvp``) vs central finite differences of the
     first-order gradient along the same direction."""
-    from . import autodiff
-
-    mod = build_grad_module(cases, "float64")
-    for i, case in enumerate(cases):
-        mod = autodiff.hvp(mod, f"f{i}", wrt=case.wrt_names())
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    vm = _grad_vm(cases, "float64", hvp=True)
     rng = np.random.default_rng(123)
     failures = []
     for i, case in enumerate(cases):
@@ -336,12 +355,12 @@ def check_nth_order(cases: Sequence[GradCase], order: int = 3, eps: float = 1e-5
     """float64 ``autodiff.nth_order_grad`` for the first ``wrt`` input of each case: every level
     ``g_{k+1} = d sum(g_k) / dp`` is checked as a directional derivative, ``<g_{k+1}, d>`` vs the
     central finite difference of ``sum(g_k)`` along a random direction ``d``."""
-    from . import autodiff
+    from .. import autodiff
 
     mod = scalar_functions(cases, "float64")
     for i, case in enumerate(cases):
         mod = autodiff.nth_order_grad(mod, f"f{i}", [case.wrt_names()[0]], order)
-    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, tvm.target.Target(CHECK_TARGET)), tvm.cpu())
     rng = np.random.default_rng(321)
     failures = []
     for i, case in enumerate(cases):
@@ -386,7 +405,7 @@ def check_sibling_groups(groups: Sequence[Sequence[Case]], dtype: str, symbolic:
     """Compile :func:`sibling_groups_module` with ``rlx_tvm.compile`` (sibling ops computed
     together on CPU targets) and assert every output matches its case's reference; returns the
     lowered module (for checks of which kernels it has)."""
-    from .build import lower
+    from ..build import lower
 
     mod = sibling_groups_module(groups, dtype, symbolic)
     relax.analysis.well_formed(FuseSiblingBackwardOps()(mod))  # raises when ill-formed
