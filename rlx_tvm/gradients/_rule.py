@@ -1,15 +1,12 @@
-"""The one place the importer-coverage gradient rules are registered from.
+"""The decorator the importer-coverage gradient rules are registered with.
 
-Rules registered here sit at the project's gradient level (20), above TVM's own (10), through
-:func:`override_gradient` (safe on module re-import). Switching every such rule to another
-registry means changing only :func:`rule`.
+Each rule replaces TVM's own where it has one (:func:`rlx_tvm.overrides.override_gradient`, at the
+project's gradient level, safe on module re-import).
 """
 
 from __future__ import annotations
 
-from ._register import override_gradient
-
-GRADIENT_LEVEL = 20
+from ..overrides import override_gradient
 
 
 def rule(*op_names: str):
@@ -18,7 +15,7 @@ def rule(*op_names: str):
 
     def deco(fn):
         for name in op_names:
-            override_gradient(name, fn, GRADIENT_LEVEL)
+            override_gradient(name, fn)
         return fn
 
     return deco
