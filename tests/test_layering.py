@@ -17,15 +17,17 @@ PACKAGE = ROOT / "rlx_tvm"
 # modules inside these packages need no entry here; a new top-level module does.
 LAYERS = [
     ("target", "threads", "timing", "tuning_logs"),  # what the CPU is; no rlx_tvm import at all
-    ("kernels", "ops"),  # the operators and their hand-written kernels
-    ("gradients",),
-    ("passes",),
+    ("overrides", "registry"),  # every change to TVM's op registries; the rlx op declaration API
+    ("passes",),  # generic over the registry: they work on any declared op
     ("autodiff",),
+    ("kernels", "ops"),  # the operators and their hand-written kernels (scan differentiates its body)
+    ("gradients",),
     ("schedules",),  # default schedules
     ("build", ""),  # rlx_tvm.compile; "" is the package itself (rlx_tvm/__init__.py)
     ("testing",),  # NumPy-checked cases, used by tests, the demo and the benchmark
     ("tuning",),  # MetaSchedule search, export, device rounds
     ("bench",),  # the suite and its timing harness, device packs
+    ("torch", "step_bench"),  # the PyTorch front door and the training-step benchmark
     ("cli", "examples", "demo"),  # what users run
 ]
 LAYER_OF = {("rlx_tvm." + name).rstrip("."): i for i, names in enumerate(LAYERS) for name in names}
