@@ -1,4 +1,5 @@
-"""``rlx-tvm train``: the example transformer block trained with SGD."""
+"""``rlx-tvm train``: the example transformer block trained with SGD, or (``--torch``) a PyTorch model
+trained through :mod:`rlx_tvm.torch` beside PyTorch eager."""
 
 from __future__ import annotations
 
@@ -25,10 +26,19 @@ def add_parser(sub) -> None:
     tr.add_argument("--report-every", type=int, default=25, help="print a table row every N steps (default 25)")
     tr.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter dtype")
     tr.add_argument("--target", default="local", help="TVM target (default: local, this CPU with the committed tuning log)")
+    tr.add_argument("--torch", nargs=argparse.REMAINDER, metavar="ARGS",
+                    help="instead, train a PyTorch character-level causal transformer through rlx_tvm.torch "
+                         "(torch.export, from_exported_program, AdamW) beside PyTorch eager, checking that the "
+                         "losses agree; every argument after --torch goes to that example "
+                         "(rlx-tvm train --torch --help lists them)")
     tr.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.torch is not None:
+        from ..examples import torch_train  # needs PyTorch, which the main job does not
+
+        return torch_train.main(args.torch)
     c = Config(dtype=args.dtype, batch=args.batch, seq=args.seq)
     losses = train(steps=args.steps, lr=args.lr, report_every=args.report_every, target=args.target, c=c)
     return 0 if sum(losses[-10:]) / len(losses[-10:]) < losses[0] else 1
