@@ -1,8 +1,11 @@
 """The torch modules that check the gradient of each op TVM's importer emits.
 
-Every case is a small module plus example inputs (see :class:`~.torch_check.TorchCase`). The
+Every case is a small module plus example inputs (see :class:`~.torch_check.TorchCase`). Each is
+checked twice: through the importer's default path (core-ATen decomposition first) and, as the
+twin ``<name>_aten``, with ``run_ep_decomposition=False``, which reaches the converters of the
+un-decomposed ATen ops (``conv2d.default``, ``layer_norm.default``, ``silu.default``...). The
 coverage table (:mod:`.coverage`) names, for each ATen op the importer converts, the cases whose
-exported graph contains it. Torch is imported when the cases are built, not on import.
+imported graph contains it. Torch is imported when the cases are built.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ from .torch_check import TorchCase
 CASES: list[TorchCase] = []
 
 
-def case(name: str, dtype: str = "float64", decompose: bool = True, train: bool = False):
+def case(name: str, dtype: str = "float64", decompose: bool = True, train: bool = False, twin: bool = True):
+    """Register ``build() -> (module, inputs)``; ``twin`` adds the un-decomposed variant."""
+
     def deco(build):
         CASES.append(TorchCase(name, build, dtype, decompose, train))
+        if decompose and twin:
+            CASES.append(TorchCase(f"{name}_aten", build, dtype, False, train))
         return build
 
     return deco
@@ -122,7 +129,9 @@ def _register_elementwise():
     _unary("pow_scalar_exponent", lambda x: x ** 3 + x.abs() ** 2.5, kinks=(0,))
     _unary("pow_scalar_base", lambda x: 2.0 ** x)
     _unary("tril_triu", lambda x: torch.tril(x, 1) * 2 + torch.triu(x, -1))
-    _binary("add_sub_mul_div", lambda x, y: (x + y) * (x - y) / (y.abs() + 1) + 3 * x - y / 2 + (1 - x))
+    _binary("add_sub_mul_div", lambda x, y: (x + y) * (x - y) / (y.abs() + 1) + 3 * x - y / 2)
+    # The importer's rsub converter writes a float32 constant (a float64 graph would not type-check).
+    _unary("rsub", lambda x: 1.0 - x, dtype="float32")
     _binary("maximum_minimum", lambda x, y: torch.maximum(x, y) + 2 * torch.minimum(x, y))
     _binary("pow_tensor", lambda x, y: x ** y, 0.3, 2.0)
     _binary("atan2", torch.atan2, 0.3, 2.0)
@@ -141,7 +150,8 @@ def _register_reductions():
     case("sum_mean")(lambda: (_fn(lambda x: x.sum(1, keepdim=True) * x.mean((0, 2), keepdim=True) + x.mean()), (_randn(2, 3, 4),)))
     case("max_min_all")(lambda: (_fn(lambda x: torch.max(x) * torch.min(x)), (_randn(3, 4),)))
     case("max_dim")(lambda: (_fn(lambda x: torch.max(x, 1)[0]), (_randn(3, 5),)))
-    case("var_std")(lambda: (_fn(lambda x: x.var(1) + x.std(0, keepdim=True).sum() + x.var(1, correction=0)),
+    # Without decomposition the importer has no converter for std.dim / var.dim.
+    case("var_std", twin=False)(lambda: (_fn(lambda x: x.var(1) + x.std(0, keepdim=True).sum() + x.var(1, correction=0)),
                              (_randn(3, 5),)))
     case("prod")(lambda: (_fn(lambda x: x.prod()), (_uniform(0.5, 1.5, 3, 4),)))
     case("cumsum_cumprod")(lambda: (_fn(lambda x: torch.cumsum(x, 1) + torch.cumprod(x, 1)), (_uniform(0.5, 1.5, 3, 4),)))
@@ -175,7 +185,8 @@ def _register_shapes():
 def _register_indexing():
     torch = _t()
     case("gather")(lambda: (_fn(lambda x, i: torch.gather(x, 1, i)), (_randn(3, 5), torch.tensor([[0, 4], [2, 2], [1, 3]]))))
-    case("index_select_take")(lambda: (_fn(lambda x, i: x.index_select(1, i) + torch.take(x, i).sum()),
+    # Without decomposition the importer's torch.take converter rejects 2-d data.
+    case("index_select_take", twin=False)(lambda: (_fn(lambda x, i: x.index_select(1, i) + torch.take(x, i).sum()),
                                        (_randn(3, 5), torch.tensor([4, 0, 4]))))
     case("index_tensor")(lambda: (_fn(lambda x, i, j: x[i, j]), (_randn(3, 5), torch.tensor([0, 2, 2]), torch.tensor([1, 4, 1]))))
     case("scatter")(lambda: (_fn(lambda x, u: x.scatter(1, torch.tensor([[0, 3], [1, 2]]), u)), (_randn(2, 5), _randn(2, 2))))
@@ -184,10 +195,18 @@ def _register_indexing():
                                (_randn(3, 4), _randn(3))))
     case("slice_scatter")(lambda: (_fn(lambda x, s: torch.slice_scatter(x, s, 1, 1, 3)), (_randn(2, 5), _randn(2, 2))))
     case("embedding")(lambda: (torch.nn.Embedding(7, 3, dtype=torch.float64), (torch.tensor([[1, 6, 1], [0, 2, 3]]),)))
+    case("median")(lambda: (_fn(lambda x: torch.median(x, 1)[0] * 2 + torch.median(x)), (_randn(3, 5),)))
+    # Without decomposition the importer refuses affine_grid with align_corners=False.
+    case("affine_grid", twin=False)(lambda: (_fn(lambda t: torch.nn.functional.affine_grid(t, [2, 1, 3, 4], align_corners=False)),
+                                 (_randn(2, 2, 3),)))
+    # TOPI's align_corners grid steps by (2 - 1e-7) / (size - 1): a float32 check.
+    case("affine_grid_align", "float32")(lambda: (_fn(lambda t: torch.nn.functional.affine_grid(t, [2, 1, 3, 4], align_corners=True)),
+                                                  (_randn(2, 2, 3, dtype="float32"),)))
     case("topk_sort")(lambda: (_fn(lambda x: torch.topk(x, 2, 1)[0] + torch.sort(x, 1)[0][:, :2]), (_randn(3, 5),)))
     case("cross_entropy", "float64")(lambda: (_fn(lambda x, y: torch.nn.functional.cross_entropy(x, y)),
                                               (_randn(4, 5), torch.tensor([1, 0, 4, 2]))))
-    case("nll_log_softmax")(lambda: (_fn(lambda x, y: torch.nn.functional.nll_loss(torch.log_softmax(x, 1), y)),
+    # Without decomposition the importer has no converter for nll_loss_nd.
+    case("nll_log_softmax", twin=False)(lambda: (_fn(lambda x, y: torch.nn.functional.nll_loss(torch.log_softmax(x, 1), y)),
                                      (_randn(4, 5), torch.tensor([1, 0, 4, 2]))))
     case("argmax_argmin")(lambda: (_fn(lambda x: x * (x.argmax(1, keepdim=True) > 1).double()
                                        + x * (x.argmin(1, keepdim=True) > 0).double()), (_randn(3, 4),)))
@@ -226,7 +245,8 @@ def _register_nn():
     case("adaptive_avg_pool3d")(lambda: (nn.AdaptiveAvgPool3d(2), (_randn(1, 2, 4, 5, 3),)))
     case("layer_norm", f32)(lambda: (nn.LayerNorm(5), (_randn(2, 3, 5, dtype=f32),)))
     case("group_norm", f32)(lambda: (nn.GroupNorm(2, 4), (_randn(2, 4, 3, 3, dtype=f32),)))
-    case("rms_norm")(lambda: (nn.RMSNorm(5, dtype=torch.float64), (_randn(2, 3, 5),)))
+    # Without decomposition the importer has no converter for rms_norm.
+    case("rms_norm", twin=False)(lambda: (nn.RMSNorm(5, dtype=torch.float64), (_randn(2, 3, 5),)))
     case("batch_norm_eval")(lambda: (nn.BatchNorm2d(3, dtype=torch.float64), (_randn(2, 3, 4, 4),)))
     case("batch_norm_train", train=True)(lambda: (nn.BatchNorm2d(3, dtype=torch.float64), (_randn(2, 3, 4, 4),)))
     case("instance_norm", f32)(lambda: (nn.InstanceNorm2d(3, affine=True), (_randn(2, 3, 4, 4, dtype=f32),)))
@@ -244,7 +264,7 @@ def _register_nn():
                                                        tuple(_randn(2, 2, 4, 8, dtype=f32) for _ in range(3))))
     case("sdpa_mask", f32, decompose=False)(lambda: (_fn(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
                                                      tuple(_randn(2, 2, 4, 8, dtype=f32) for _ in range(3)) + (_randn(2, 2, 4, 4, dtype=f32),)))
-    case("sdpa_decomposed", f32)(lambda: (_fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+    case("sdpa_decomposed", f32, twin=False)(lambda: (_fn(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
                                           tuple(_randn(2, 2, 4, 8, dtype=f32) for _ in range(3))))
 
 

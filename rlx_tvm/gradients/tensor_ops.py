@@ -184,3 +184,21 @@ def _matmul_grad(orig_var, orig_call, output_grad, ctx):
     if str(orig_var.ty.dtype.dtype) != dtype:
         output_grad = op.astype(output_grad, dtype)
     return matmul_grad(orig_var, orig_call, output_grad, ctx)
+
+
+@rule("relax.median")
+def _median_grad(orig_var, orig_call, output_grad, ctx):
+    """Along an axis the median's gradient goes back to the position it was taken from (the
+    op's index output); over the whole tensor to the elements equal to it (shared by ties)."""
+    (x,) = orig_call.args
+    ndim = int(x.ty.ndim)
+    axis = orig_call.attrs.axis
+    if axis is None or len(axis) == 0 or isinstance(orig_var.ty, relax.TensorType):
+        hit = op.astype(op.equal(x, _unreduce(orig_var, orig_call, ndim)), str(x.ty.dtype.dtype))
+        axes = _axes(axis if axis is not None and len(axis) else None, ndim)
+        return [_unreduce(output_grad, orig_call, ndim) * hit / op.sum(hit, axis=axes, keepdims=True)]
+    ax = int(axis[0]) % ndim
+    d_values, indices = relax.TupleGetItem(output_grad, 0), relax.TupleGetItem(orig_var, 1)
+    if not orig_call.attrs.keepdims:
+        d_values, indices = op.expand_dims(d_values, [ax]), op.expand_dims(indices, [ax])
+    return [op.scatter_elements(op.zeros_like(x), indices, d_values, axis=ax, reduction="add")]
