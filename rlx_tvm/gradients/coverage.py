@@ -142,14 +142,18 @@ def render(case_aten_ops: dict[str, set]) -> str:
             grad = "; ".join(f"{o.replace('relax.', '')}: {sources[o]}" for o in ops)
         else:
             grad = "(passes its input through)"
-        needs_test = any(not sources[o].startswith(("not differentiable", "no gradient")) for o in ops)
+        # Rows without a "." convert Python operators on symbolic sizes, not tensor data; an op
+        # with an integer/boolean result makes the row's output not differentiable.
+        needs_test = "." in aten and bool(ops) and not any(
+            sources[o].startswith(("not differentiable", "no gradient")) for o in ops
+        )
         if cases:
             tests = ", ".join(_test_ref(c) for c in cases[:3]) + (f" (+{len(cases) - 3})" if len(cases) > 3 else "")
         elif needs_test:
             tests = "no test"
             untested.append(aten)
         else:
-            tests = "not differentiable" if ops else "no op"
+            tests = "not differentiable" if ops and "." in aten else ("size arithmetic" if "." not in aten else "no op")
         emitted = ", ".join(o.replace("relax.", "") for o in ops) or "-"
         rows.append(f"| `{aten}` | {emitted} | {grad} | {tests} |")
     lines = [

@@ -64,8 +64,8 @@ def _away(lo, hi, kinks, *shape, margin=0.1):
     return x
 
 
-def _unary(name, f, lo=-2.0, hi=2.0, kinks=(), dtype="float64", decompose=True):
-    case(name, dtype, decompose)(lambda: (_fn(f), (_away(lo, hi, kinks, 3, 4).to(getattr(_t(), dtype)),)))
+def _unary(name, f, lo=-2.0, hi=2.0, kinks=(), dtype="float64", decompose=True, twin=True):
+    case(name, dtype, decompose, twin=twin)(lambda: (_fn(f), (_away(lo, hi, kinks, 3, 4).to(getattr(_t(), dtype)),)))
 
 
 def _binary(name, f, lo=-2.0, hi=2.0, second=None):
@@ -112,8 +112,9 @@ def _register_elementwise():
     _unary("relu6", F.relu6, -3, 8, kinks=(0, 6))
     _unary("leaky_relu", lambda x: F.leaky_relu(x, 0.2), kinks=(0,))
     _unary("elu", F.elu, kinks=(0,))
-    # The importer builds celu and hardsigmoid with float32 constants.
-    _unary("celu", lambda x: F.celu(x, 0.7), kinks=(0,), dtype="float32")
+    # The importer builds celu and hardsigmoid with float32 constants; its un-decomposed celu
+    # converter computes exp(x) / alpha instead of exp(x / alpha).
+    _unary("celu", lambda x: F.celu(x, 0.7), kinks=(0,), dtype="float32", twin=False)
     _unary("selu", F.selu, kinks=(0,), decompose=False)
     _unary("gelu", F.gelu)
     _unary("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))
@@ -125,7 +126,9 @@ def _register_elementwise():
     _unary("hardsigmoid", F.hardsigmoid, -4, 4, kinks=(-3, 3), dtype="float32")
     _unary("hardswish", F.hardswish, -4, 4, kinks=(-3, 3))
     _unary("clamp", lambda x: torch.clamp(x, -0.5, 0.7), kinks=(-0.5, 0.7))
-    _unary("clamp_min_max", lambda x: torch.clamp_min(x, -0.5) + torch.clamp_max(x, 0.3), kinks=(-0.5, 0.3))
+    # The importer's un-decomposed clamp_max converter drops the bound (clip(x, -inf, inf)).
+    _unary("clamp_min_max", lambda x: torch.clamp_min(x, -0.5) + torch.clamp_max(x, 0.3), kinks=(-0.5, 0.3), twin=False)
+    _unary("clamp_min", lambda x: torch.clamp_min(x, -0.5), kinks=(-0.5,))
     _unary("pow_scalar_exponent", lambda x: x ** 3 + x.abs() ** 2.5, kinks=(0,))
     _unary("pow_scalar_base", lambda x: 2.0 ** x)
     _unary("tril_triu", lambda x: torch.tril(x, 1) * 2 + torch.triu(x, -1))
@@ -179,6 +182,16 @@ def _register_shapes():
     case("expand_broadcast")(lambda: (_fn(lambda x: x.expand(2, 3, 4) * torch.broadcast_to(x, (3, 4))), (_randn(3, 1),)))
     case("repeat_tile")(lambda: (_fn(lambda x: x.repeat(2, 3) + torch.tile(x, (2, 3))), (_randn(2, 3),)))
     case("flip_roll")(lambda: (_fn(lambda x: x.flip(1) * torch.roll(x, 1, 1)), (_randn(3, 4),)))
+    case("shape_misc")(lambda: (_fn(lambda x, y: x.expand_as(y) * y.reshape_as(y) + torch.concat([x, x], 0)[:1]
+                                    + torch.diagonal(y.reshape(4, 3)[:3]).sum() + y.squeeze().sum()
+                                    + torch.clamp(y, x - 1, x + 1) + y.type_as(x)), (_randn(1, 3), _randn(4, 3))))
+    case("take_1d")(lambda: (_fn(lambda x, i: torch.take(x, i) * 2), (_randn(6), torch.tensor([5, 0, 5]))))
+    # The importer builds arange / linspace in float32.
+    case("creation", "float32")(lambda: (_fn(lambda x: x * (torch.zeros_like(x) + torch.ones_like(x) + x.new_zeros(3, 4)
+                                                 + x.new_ones(3, 4) + torch.full_like(x, 2.0) + torch.ones(3, 4, dtype=x.dtype)
+                                                 + torch.zeros(3, 4, dtype=x.dtype) + torch.arange(4, dtype=x.dtype)
+                                                 + torch.linspace(0, 1, 4, dtype=x.dtype) + torch.empty_like(x).zero_())),
+                                         (_randn(3, 4, dtype="float32"),)))
     case("unflatten")(lambda: (_fn(lambda x: x.unflatten(1, (2, 3))), (_randn(2, 6),)))
 
 
@@ -253,7 +266,9 @@ def _register_nn():
     case("prelu")(lambda: (nn.PReLU(3, dtype=torch.float64), (_randn(2, 3, 4),)))
     case("dropout_eval")(lambda: (nn.Dropout(0.5), (_randn(3, 4),)))
     case("dropout_p0", train=True)(lambda: (nn.Dropout(0.0), (_randn(3, 4),)))
-    case("pixel_shuffle")(lambda: (nn.PixelShuffle(2), (_randn(1, 8, 2, 3),)))
+    # TVM 0.27 cannot build relax.nn.pixel_shuffle (its legalization calls a missing
+    # topi.nn.pixel_shuffle), so only the decomposed form runs.
+    case("pixel_shuffle", twin=False)(lambda: (nn.PixelShuffle(2), (_randn(1, 8, 2, 3),)))
     case("interpolate_nearest", f32)(lambda: (_fn(lambda x: F.interpolate(x, scale_factor=2, mode="nearest")), (_randn(1, 2, 3, 4, dtype=f32),)))
     case("interpolate_bilinear", f32)(lambda: (_fn(lambda x: F.interpolate(x, size=(5, 7), mode="bilinear")), (_randn(1, 2, 3, 4, dtype=f32),)))
     case("interpolate_bilinear_align", f32)(lambda: (_fn(lambda x: F.interpolate(x, size=(5, 7), mode="bilinear", align_corners=True)),

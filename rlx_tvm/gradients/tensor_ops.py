@@ -73,6 +73,12 @@ def _einsum_grad(orig_var, orig_call, output_grad, ctx):
         raise ValueError(f"gradient of relax.einsum: explicit subscripts without '...' expected, got {spec!r}")
     ins, out = spec.split("->")
     ins = ins.split(",")
+    if len(ins) == 1 and len(ins[0]) >= 2 and ins[0][-1] == ins[0][-2] and out == ins[0][:-1]:
+        # A diagonal, "...zz->...z" (the importer's torch.diagonal): d x = dy on the diagonal.
+        x = relax.TupleGetItem(operands, 0)
+        n = x.ty.shape[-1]
+        eye = op.eye(n, dtype=str(x.ty.dtype.dtype))
+        return [relax.Tuple([op.expand_dims(output_grad, [-1]) * eye])]
     grads = []
     for i, sub in enumerate(ins):
         others = [s for j, s in enumerate(ins) if j != i]
