@@ -64,6 +64,16 @@ def _away(lo, hi, kinks, *shape, margin=0.1):
     return x
 
 
+def _inplace(x, v):
+    torch = _t()
+    y = x.clone()
+    y.mul_(2.0)
+    y[torch.tensor([0, 2]), torch.tensor([1, 3])] = v
+    z = torch.empty_like(x)
+    z.copy_(x * 3)
+    return y + z.scatter(1, torch.tensor([[0], [3], [1]]), 2.5)
+
+
 def _unary(name, f, lo=-2.0, hi=2.0, kinks=(), dtype="float64", decompose=True, twin=True):
     case(name, dtype, decompose, twin=twin)(lambda: (_fn(f), (_away(lo, hi, kinks, 3, 4).to(getattr(_t(), dtype)),)))
 
@@ -192,6 +202,14 @@ def _register_shapes():
                                                  + torch.zeros(3, 4, dtype=x.dtype) + torch.arange(4, dtype=x.dtype)
                                                  + torch.linspace(0, 1, 4, dtype=x.dtype) + torch.empty_like(x).zero_())),
                                          (_randn(3, 4, dtype="float32"),)))
+    case("scalar_overloads")(lambda: (_fn(lambda x, y: torch.max(x, y) + torch.min(x, y) * 2 + x.div(2.0) - y.sub(1.5)
+                                          + torch.remainder(x, 1.5) + torch.rsub(x, y)),
+                                      (_uniform(0.1, 1.4, 3, 4), _uniform(0.1, 1.4, 3, 4))))
+    case("logical_any")(lambda: (_fn(lambda x, y: x * (torch.logical_or(x > 0, y > 0).to(x.dtype)
+                                                       + torch.any(y > 0, 0).to(x.dtype))), (_randn(3, 4), _randn(3, 4))))
+    case("inplace")(lambda: (_fn(lambda x, v: _inplace(x, v)), (_randn(3, 4), _randn(2))))
+    # Without decomposition the importer's std.correction ignores the correction (population std).
+    case("std_default", twin=False)(lambda: (_fn(lambda x: x.std() * x), (_randn(3, 4),)))
     case("unflatten")(lambda: (_fn(lambda x: x.unflatten(1, (2, 3))), (_randn(2, 6),)))
 
 
@@ -260,14 +278,19 @@ def _register_nn():
     case("group_norm", f32)(lambda: (nn.GroupNorm(2, 4), (_randn(2, 4, 3, 3, dtype=f32),)))
     # Without decomposition the importer has no converter for rms_norm.
     case("rms_norm", twin=False)(lambda: (nn.RMSNorm(5, dtype=torch.float64), (_randn(2, 3, 5),)))
-    case("batch_norm_eval")(lambda: (nn.BatchNorm2d(3, dtype=torch.float64), (_randn(2, 3, 4, 4),)))
-    case("batch_norm_train", train=True)(lambda: (nn.BatchNorm2d(3, dtype=torch.float64), (_randn(2, 3, 4, 4),)))
+    # Without decomposition the importer misreads batch_norm.default's arguments (training taken
+    # as momentum, momentum as eps, batch statistics always), so only the decomposed forms run.
+    case("batch_norm_eval", twin=False)(lambda: (nn.BatchNorm2d(3, dtype=torch.float64), (_randn(2, 3, 4, 4),)))
+    case("batch_norm_train", train=True, twin=False)(lambda: (nn.BatchNorm2d(3, dtype=torch.float64), (_randn(2, 3, 4, 4),)))
     case("instance_norm", f32)(lambda: (nn.InstanceNorm2d(3, affine=True), (_randn(2, 3, 4, 4, dtype=f32),)))
     case("prelu")(lambda: (nn.PReLU(3, dtype=torch.float64), (_randn(2, 3, 4),)))
     case("dropout_eval")(lambda: (nn.Dropout(0.5), (_randn(3, 4),)))
     case("dropout_p0", train=True)(lambda: (nn.Dropout(0.0), (_randn(3, 4),)))
     # TVM 0.27 cannot build relax.nn.pixel_shuffle (its legalization calls a missing
     # topi.nn.pixel_shuffle), so only the decomposed form runs.
+    # Without decomposition the importer's lstm converter fails; GRU and RNN imports are not
+    # differentiable yet (relax.transform.Gradient: "Expected nested to match tuple").
+    case("lstm", f32, twin=False)(lambda: (nn.LSTM(3, 4, batch_first=True), (_randn(2, 3, 3, dtype=f32),)))
     case("pixel_shuffle", twin=False)(lambda: (nn.PixelShuffle(2), (_randn(1, 8, 2, 3),)))
     case("interpolate_nearest", f32)(lambda: (_fn(lambda x: F.interpolate(x, scale_factor=2, mode="nearest")), (_randn(1, 2, 3, 4, dtype=f32),)))
     case("interpolate_bilinear", f32)(lambda: (_fn(lambda x: F.interpolate(x, size=(5, 7), mode="bilinear")), (_randn(1, 2, 3, 4, dtype=f32),)))
