@@ -196,7 +196,7 @@ def render(case_aten_ops: dict[str, set]) -> str:
         lines += ["Relax ops without a gradient: " + ", ".join(f"`{o}`" for o in missing) + ".", ""]
     broken = [a for a in table if a in IMPORTER_ISSUES and not by_aten.get(a)]
     if broken:
-        lines += ["ATen ops the importer converts wrongly (no gradient test can pass through them): "
+        lines += ["ATen ops no gradient test can pass through (a wrong or failing conversion, or no rule): "
                   + "; ".join(f"`{a}` ({IMPORTER_ISSUES[a]})" for a in broken) + ".", ""]
     if untested:
         lines += ["Other ATen ops without a test: " + ", ".join(f"`{a}`" for a in untested) + ".", ""]
