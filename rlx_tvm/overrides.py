@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import tvm
 
-__all__ = ["GRADIENT_LEVEL", "LEGALIZE_LEVEL", "fill_gradient", "gradient", "has_gradient", "override_gradient",
+__all__ = ["GRADIENT_LEVEL", "LEGALIZE_LEVEL", "fill_gradient", "function_set_here", "gradient", "has_gradient", "override_gradient",
            "override_legalize", "set_op_attr"]
 
 # TVM registers its own rules at level 10 (``register_gradient``/``register_legalize`` default);
@@ -71,6 +71,11 @@ def set_op_attr(op_name: str, attr: str, value: Any, level: int = 10) -> None:
     if _get_attr(op, _MARK + attr) is None:
         tvm.ir.register_op_attr(op_name, attr, _dispatcher(key, value) if callable(value) else value, level=level)
         tvm.ir.register_op_attr(op_name, _MARK + attr, level)
+
+
+def function_set_here(op_name: str, attr: str = "FPrimalGradient") -> Callable | None:
+    """The function rlx_tvm registered as ``attr`` of ``op_name`` (its gradient rule by default), or None."""
+    return _CURRENT.get((op_name, attr))
 
 
 def is_set_here(op_name: str, attr: str) -> bool:

@@ -52,6 +52,7 @@ def test_coverage_table_is_current_and_every_row_names_a_test(checked):
     with open(TABLE) as f:
         assert f.read() == text, "docs/gradient_coverage.md is stale: python -m rlx_tvm.gradients.coverage --write docs/gradient_coverage.md"
     names = {c.name for c in CASES}
-    named = set(re.findall(rf"{coverage.TEST_FUNCTION}\[([\w]+)\]", text))
+    named = set(re.findall(rf"{coverage.TEST_FUNCTION}\[(\w+)\]", text))
     assert named and named <= names
-    assert "no test" not in text.split("| ATen op |")[1]
+    # Every Relax op the importer emits has a gradient, or is listed as not differentiable.
+    assert "MISSING" not in text

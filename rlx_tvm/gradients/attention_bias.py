@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import relax
 
 from ._rule import rule
@@ -39,7 +40,7 @@ def _attention_bias_grad(orig_var, orig_call, output_grad, ctx):
 
     grads = list(_nn_attention_gradient(orig_var, orig_call, output_grad, ctx))
     q, k, v, bias = orig_call.args
-    if isinstance(bias, relax.Constant):
+    if isinstance(bias, tvm.ir.expr.GenericConst):
         return grads
     attrs = orig_call.attrs
     dtype = str(q.ty.dtype.dtype)

@@ -275,3 +275,33 @@ def _pixel_shuffle_grad(orig_var, orig_call, output_grad, ctx):
     return [op.reshape(g, [n, cr2, h, w])]
 
 
+
+
+def _affine_base(sizes: list[int], align_corners: bool) -> np.ndarray:
+    """The (ndim + 1) x prod(sizes) normalized coordinates ``topi.image.affine_grid`` multiplies
+    the affine matrix with (columns x, y[, z], 1)."""
+    ndim = len(sizes)
+    axes = []
+    for s in sizes:
+        if align_corners:
+            axes.append(-1.0 + np.arange(s) * ((2.0 - 1e-7) / (s - 1)))
+        else:
+            axes.append(-1.0 + 1.0 / s + np.arange(s) * (2.0 / s))
+    grids = np.meshgrid(*axes, indexing="ij")
+    base = np.ones((ndim + 1, int(np.prod(sizes))))
+    for r in range(ndim):
+        base[ndim - 1 - r] = grids[r].reshape(-1)
+    return base
+
+
+@rule("relax.image.affine_grid")
+def _affine_grid_grad(orig_var, orig_call, output_grad, ctx):
+    """``grid[n, d, p] = sum_c theta[n, d, c] base[c, p]``: ``d theta = dy base^T``."""
+    theta = orig_call.args[0]
+    out = _static(orig_var, "the output", "relax.image.affine_grid")
+    n, nd, sizes = out[0], out[1], out[2:]
+    base = _affine_base(sizes, bool(orig_call.attrs.align_corners))
+    dtype = _dtype(theta)
+    flat = op.reshape(output_grad, [n, nd, int(np.prod(sizes))])
+    d_theta = op.matmul(flat, relax.const(base.T.astype(dtype), dtype))
+    return [d_theta] + [no_grad(a) for a in orig_call.args[1:]]

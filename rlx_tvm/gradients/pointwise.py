@@ -129,3 +129,11 @@ def _prelu_grad(orig_var, orig_call, output_grad, ctx):
 def _tril_grad(orig_var, orig_call, output_grad, ctx):
     x, k = orig_call.args
     return [op.tril(output_grad, k), no_grad(k)]
+
+
+@rule("relax.triu")
+def _triu_grad(orig_var, orig_call, output_grad, ctx):
+    """TVM's rule returns one partial for triu's two arguments (x, k), which Gradient rejects
+    ("partials number != inputs number") whenever k is an argument."""
+    x, k = orig_call.args
+    return [op.triu(output_grad, k), no_grad(k)]

@@ -73,6 +73,12 @@ def _einsum_grad(orig_var, orig_call, output_grad, ctx):
         raise ValueError(f"gradient of relax.einsum: explicit subscripts without '...' expected, got {spec!r}")
     ins, out = spec.split("->")
     ins = ins.split(",")
+    if len(ins) == 1 and len(ins[0]) >= 2 and ins[0][-1] == ins[0][-2] and out == ins[0][:-1]:
+        # A diagonal, "...zz->...z" (the importer's torch.diagonal): d x = dy on the diagonal.
+        x = relax.TupleGetItem(operands, 0)
+        n = x.ty.shape[-1]
+        eye = op.eye(n, dtype=str(x.ty.dtype.dtype))
+        return [relax.Tuple([op.expand_dims(output_grad, [-1]) * eye])]
     grads = []
     for i, sub in enumerate(ins):
         others = [s for j, s in enumerate(ins) if j != i]
@@ -184,3 +190,21 @@ def _matmul_grad(orig_var, orig_call, output_grad, ctx):
     if str(orig_var.ty.dtype.dtype) != dtype:
         output_grad = op.astype(output_grad, dtype)
     return matmul_grad(orig_var, orig_call, output_grad, ctx)
+
+
+@rule("relax.median")
+def _median_grad(orig_var, orig_call, output_grad, ctx):
+    """Along an axis the median's gradient goes back to the position it was taken from (the
+    op's index output); over the whole tensor to the elements equal to it (shared by ties)."""
+    (x,) = orig_call.args
+    ndim = int(x.ty.ndim)
+    axis = orig_call.attrs.axis
+    if axis is None or len(axis) == 0 or isinstance(orig_var.ty, relax.TensorType):
+        hit = op.astype(op.equal(x, _unreduce(orig_var, orig_call, ndim)), str(x.ty.dtype.dtype))
+        axes = _axes(axis if axis is not None and len(axis) else None, ndim)
+        return [_unreduce(output_grad, orig_call, ndim) * hit / op.sum(hit, axis=axes, keepdims=True)]
+    ax = int(axis[0]) % ndim
+    d_values, indices = relax.TupleGetItem(output_grad, 0), relax.TupleGetItem(orig_var, 1)
+    if not orig_call.attrs.keepdims:
+        d_values, indices = op.expand_dims(d_values, [ax]), op.expand_dims(indices, [ax])
+    return [op.scatter_elements(op.zeros_like(x), indices, d_values, axis=ax, reduction="add")]

@@ -114,6 +114,8 @@ def merge_row_stages(sch: s_tir.Schedule, blocks: list, lanes: int) -> s_tir.Sch
     stage and reads the others' results only as one value per row, at its own row
     (``_reads_only_own_row``); None otherwise (``sch`` is then a spoiled copy)."""
     first = sch.get(blocks[0].block_rv)
+    if not first.writes:  # e.g. a sort's extern stage
+        return None
     n_row = len(_row_region(first.writes[0]))
     if n_row == 0 or len(first.iter_vars) < n_row:
         return None
