@@ -114,7 +114,9 @@ class TrainStep:
     trained parameters and buffers for ``load_state_dict``.
     """
 
-    def __init__(self, model, example_inputs, loss, optimizer, target, imp: Imported, trainable, ex, device):
+    def __init__(self, model, example_inputs, loss, optimizer, target, imp: Imported, trainable, ex, device,
+                 module: tvm.IRModule):
+        self.module = module  # the Relax module of the step (train_step: gradients and update), before lowering
         self.model_type = type(model).__name__
         self.optimizer = optimizer
         self.target = target
@@ -155,6 +157,11 @@ class TrainStep:
         for k in self._num_batches:
             self._num_batches[k] += 1
         return float(loss.numpy())
+
+    @property
+    def vm(self) -> relax.VirtualMachine:
+        """The Relax VM that runs the step (e.g. to time its kernels with ``vm.set_instrument``)."""
+        return self._vm
 
     @property
     def grads(self) -> dict[str, np.ndarray]:
@@ -314,4 +321,4 @@ def compile_train_step(model: torch.nn.Module, example_inputs, loss=None, optimi
     ex = rlx_compile(mod, target, verbose=False)
     device = tvm.device(target.get_target_device_type() if hasattr(target, "get_target_device_type")
                         else target.kind.name, 0)
-    return TrainStep(model, example_inputs, loss, optimizer, target, imp, trainable, ex, device)
+    return TrainStep(model, example_inputs, loss, optimizer, target, imp, trainable, ex, device, mod)

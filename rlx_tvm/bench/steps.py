@@ -1,19 +1,19 @@
 """Whole training steps of PyTorch models: rlx_tvm against PyTorch eager, with a per-kernel profile.
 
-Each model is a ``torch.nn.Module`` that returns its scalar loss. It is imported with
-``torch.export`` and TVM's ``from_exported_program(keep_params_as_input=True)``, differentiated with
-:func:`rlx_tvm.autodiff.grad` (the loss and the gradient of every parameter) and compiled with
-:func:`rlx_tvm.compile` for this CPU. A step is timed against PyTorch eager's forward + backward in
-the same process on the same number of threads, the two interleaved, median of the repeats; the
-profile times every kernel of the rlx_tvm step through the Relax VM's instrument hook.
-
-``python -m rlx_tvm.step_bench --help``.
+Each model is a ``torch.nn.Module`` that returns its scalar loss. It is compiled through the front
+door, :func:`rlx_tvm.torch.compile_train_step` (``torch.export``, TVM's ``from_exported_program``,
+:func:`rlx_tvm.autodiff.grad`, an SGD-momentum update, :func:`rlx_tvm.compile` for this CPU). A
+step (forward, loss, every gradient, the update) is timed against PyTorch eager's (forward,
+backward, ``torch.optim.SGD``) in the same process on the same number of threads, the two
+interleaved, median of the repeats; the profile times every kernel of the rlx_tvm step through the
+Relax VM's instrument hook. Run by ``rlx-tvm bench --steps``.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -22,8 +22,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import tvm
+from tvm import relax
 
-__all__ = ["STEP_MODELS", "StepModel", "compile_step", "main", "profile_step", "time_step"]
+from ..build import lower
+from ..target import cpu_target, target_key
+from ..threads import cpu_threads
+
+__all__ = ["STEP_MODELS", "CompiledStep", "StepModel", "compile_step", "format_table", "profile_step", "run",
+           "time_step"]
 
 
 @dataclass(frozen=True)
@@ -181,63 +188,55 @@ STEP_MODELS = {m.name: m for m in (
 
 @dataclass
 class CompiledStep:
-    """A compiled training step: ``run()`` computes the loss and every parameter gradient."""
+    """A training step of one model: ``run()`` is rlx_tvm's (forward, loss, gradients, update),
+    ``run_torch()`` PyTorch eager's on an independent copy of the model."""
 
     name: str
-    vm: object
-    args: list
+    step: object  # rlx_tvm.torch.TrainStep
     torch_model: object
     torch_inputs: tuple
-    kernels: object  # the lowered IRModule (scheduled PrimFuncs)
+    torch_optimizer: object
 
     def run(self):
-        return self.vm["main_adjoint"](*self.args)
+        return self.step(*self.torch_inputs)
+
+    def run_torch(self):
+        self.torch_optimizer.zero_grad(set_to_none=True)
+        loss = self.torch_model(*self.torch_inputs)
+        loss.backward()
+        self.torch_optimizer.step()
+        return loss
+
+    @property
+    def vm(self):
+        return self.step.vm
+
+    def lowered(self):
+        """The step's Relax module lowered as it was compiled (scheduled PrimFuncs)."""
+        return lower(self.step.module, self.step.target, verbose=False)
 
 
-def import_step(model, inputs) -> tuple:
-    """``(IRModule with main and main_adjoint, parameter values)`` of a torch module returning a
-    scalar loss: exported, imported with parameters as inputs, differentiated."""
-    torch = _torch()
-    from tvm import relax  # noqa: PLC0415
-    from tvm.relax.frontend import detach_params  # noqa: PLC0415
-    from tvm.relax.frontend.torch import from_exported_program  # noqa: PLC0415
+def compile_step(name: str, scale: str = "full", target=None, seed: int = 0, lr: float = 1e-3,
+                 momentum: float = 0.9) -> CompiledStep:
+    """One of :data:`STEP_MODELS` (``scale``: ``full`` or ``small``) as a training step through
+    :func:`rlx_tvm.torch.compile_train_step`: forward, loss, every gradient and an SGD-momentum
+    update, compiled for ``target`` (default: this CPU). The PyTorch side is an independent copy of
+    the same model with ``torch.optim.SGD`` of the same settings."""
+    import copy  # noqa: PLC0415
 
-    from . import autodiff  # noqa: PLC0415
-
-    exported = torch.export.export(model, inputs)
-    mod = from_exported_program(exported, keep_params_as_input=True)
-    mod, params = detach_params(mod)
-    f = mod["main"]
-    if isinstance(f.ret_ty, relax.TupleType):  # the importer returns (loss,): Gradient wants a scalar
-        body = relax.SeqExpr(f.body.blocks, relax.TupleGetItem(f.body.body, 0))
-        mod["main"] = relax.Function(f.params, body, f.ret_ty.fields[0], True, f.attrs)
-        mod = relax.transform.Normalize()(mod)
-    n_inputs = len(inputs)
-    mod = autodiff.grad(mod, "main", wrt=[p.name for p in mod["main"].params[n_inputs:]])
-    return mod, [p.numpy() for p in params.get("main", [])]
-
-
-def compile_step(name: str, scale: str = "full", target=None, seed: int = 0) -> CompiledStep:
-    """Build, differentiate and compile one of :data:`STEP_MODELS` (``scale``: ``full`` or ``small``)."""
-    import tvm  # noqa: PLC0415
-    from tvm import relax  # noqa: PLC0415
-
-    from .build import lower  # noqa: PLC0415
-    from .target import cpu_target  # noqa: PLC0415
+    from ..torch import SGD, compile_train_step  # noqa: PLC0415  (PyTorch is an optional dependency)
 
     if name not in STEP_MODELS:
-        raise ValueError(f"step_bench: argument 'name' expected one of {sorted(STEP_MODELS)}, got {name!r}")
+        raise ValueError(f"rlx-tvm bench --steps: model expected one of {sorted(STEP_MODELS)}, got {name!r}")
     if scale not in ("full", "small"):
-        raise ValueError(f"step_bench: argument 'scale' expected 'full' or 'small', got {scale!r}")
-    _torch().manual_seed(seed)
+        raise ValueError(f"rlx-tvm bench --steps: argument 'scale' expected 'full' or 'small', got {scale!r}")
+    torch = _torch()
+    torch.manual_seed(seed)
     model, inputs = STEP_MODELS[name].build(scale)
-    mod, params = import_step(model, inputs)
-    target = target or cpu_target()
-    lowered = lower(mod, target, verbose=False)
-    ex = tvm.compile(lowered, target=target)
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    args = [tvm.runtime.tensor(t.numpy()) for t in inputs] + [tvm.runtime.tensor(p) for p in params]
-    return CompiledStep(name, vm, args, model, inputs, lowered)
+    reference = copy.deepcopy(model)
+    step = compile_train_step(model, inputs, optimizer=SGD(lr=lr, momentum=momentum), target=target,
+                              dynamic_batch=False)
+    return CompiledStep(name, step, reference, inputs, torch.optim.SGD(reference.parameters(), lr=lr, momentum=momentum))
 
 
 def step_flops(step: CompiledStep) -> float:
@@ -247,7 +246,7 @@ def step_flops(step: CompiledStep) -> float:
     from tvm.s_tir.analysis import estimate_tir_flops  # noqa: PLC0415
 
     total = 0.0
-    for f in step.kernels.functions.values():
+    for f in step.lowered().functions.values():
         if isinstance(f, tvm.tirx.PrimFunc):
             try:
                 total += float(estimate_tir_flops(tvm.IRModule({"main": f})))
@@ -256,25 +255,14 @@ def step_flops(step: CompiledStep) -> float:
     return total
 
 
-def torch_step(step: CompiledStep) -> Callable[[], None]:
-    """PyTorch eager's forward + backward of the same model and inputs."""
-    model, inputs = step.torch_model, step.torch_inputs
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        model(*inputs).backward()
-
-    return run
-
-
 def time_step(step: CompiledStep, repeats: int = 5, min_ms: float = 200.0) -> dict:
-    """Median ms per step of rlx_tvm and of PyTorch eager, interleaved, on the same thread count."""
+    """Median ms per step of rlx_tvm and of PyTorch eager, interleaved, on the same thread count
+    (both steps train their own copy of the model: the work per step is the same)."""
     torch = _torch()
-    from .threads import cpu_threads  # noqa: PLC0415
 
     threads = int(os.environ.get("TVM_NUM_THREADS", cpu_threads()))
     torch.set_num_threads(threads)
-    runners = {"rlx_tvm": step.run, "torch": torch_step(step)}
+    runners = {"rlx_tvm": step.run, "torch": step.run_torch}
     for run in runners.values():  # warm-up (thread pools, allocations)
         run()
     times = defaultdict(list)
@@ -311,7 +299,10 @@ def profile_step(step: CompiledStep, repeats: int = 3) -> list[tuple[str, float,
             step.run()
     finally:
         step.vm.set_instrument(None)
-    rows = [(s, totals[s] / repeats * 1e3, calls[s] // repeats) for s in totals]
+    # Calls of the step's own Relax functions (train_step calls main_adjoint) enclose kernels
+    # already counted: only kernels and VM builtins are listed.
+    functions = {gv.name_hint for gv, f in step.step.module.functions.items() if isinstance(f, relax.Function)}
+    rows = [(s, totals[s] / repeats * 1e3, calls[s] // repeats) for s in totals if s not in functions]
     return sorted(rows, key=lambda r: -r[1])
 
 
@@ -357,29 +348,20 @@ def run(models: list[str], scale: str = "full", repeats: int = 5, min_ms: float 
             continue
         print(f"[{name}] compiled in {time.perf_counter() - start:.0f} s; timing ...", file=out, flush=True)
         timing = time_step(step, repeats, min_ms)
-        result = {"model": name, **timing, "gflop": step_flops(step) / 1e9}
-        results.append(result)
-        print(format_profile(name, profile_step(step), timing["rlx_tvm"], top), file=out, flush=True)
+        profile = profile_step(step)
+        results.append({"model": name, "note": STEP_MODELS[name].note, **timing, "gflop": step_flops(step) / 1e9,
+                        "kernels": [{"kernel": k, "ms": ms, "calls": n} for k, ms, n in profile]})
+        print(format_profile(name, profile, timing["rlx_tvm"], top), file=out, flush=True)
     print(format_table(results), file=out, flush=True)
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlx_tvm.step_bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="*", default=[],
-                        help=f"models to run (default: all of {', '.join(STEP_MODELS)})")
-    parser.add_argument("--small", action="store_true", help="the small test-size variants")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats (median taken)")
-    parser.add_argument("--min-ms", type=float, default=200.0, help="minimum time per repeat")
-    parser.add_argument("--top", type=int, default=10, help="kernels shown per profile")
-    args = parser.parse_args(argv)
-    unknown = [m for m in args.models if m not in STEP_MODELS]
-    if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}: expected some of {', '.join(STEP_MODELS)}")
-    results = run(args.models or list(STEP_MODELS), "small" if args.small else "full", args.repeats, args.min_ms,
-                  args.top)
-    return 1 if any("error" in r for r in results) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def write_json(results: list[dict], path: str) -> None:
+    """The results with what they were measured on: the target key (CPU, cores), threads, versions."""
+    torch = _torch()
+    report = {"kind": "training_steps", "target": target_key(cpu_target()), "machine": platform.processor()
+              or platform.machine(), "date": time.strftime("%Y-%m-%d"), "tvm": tvm.__version__,
+              "torch": torch.__version__, "models": results}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
