@@ -1,8 +1,12 @@
-"""The README's benchmark table, made from the results of ``rlx-tvm bench --json`` in
-``benchmarks/results/*.json``.
+"""The benchmark tables, made from the results of ``rlx-tvm bench --json`` (the kernel suite) and
+``rlx-tvm bench --steps --json`` (training steps) in ``benchmarks/results/*.json``.
 
-    python benchmarks/readme_table.py                    # print the table
-    python benchmarks/readme_table.py --write README.md  # replace it between the README's markers
+    python benchmarks/readme_table.py                    # print the tables
+    python benchmarks/readme_table.py --write README.md  # replace them between a file's markers
+
+The training-step table goes between ``<!-- steps:begin -->`` and ``<!-- steps:end -->``: one row
+per model and CPU, rlx_tvm's step, PyTorch eager's, their ratio, rlx_tvm's GFLOP/s and the
+slowest kernel of the step with its share. The kernel table goes between the ``results`` markers:
 
 One row per kernel; for each results file (one per CPU), rlx_tvm's time (the ``tuned`` build:
 ``rlx_tvm.compile`` with the committed tuning log of that CPU, default schedules where it has no
@@ -22,6 +26,8 @@ import sys
 
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
+STEPS_BEGIN = "<!-- steps:begin -->"
+STEPS_END = "<!-- steps:end -->"
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -113,49 +119,94 @@ def table(results: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def collect(directory: str, out=sys.stderr) -> list[tuple[str, dict]]:
-    """Every recognised results file under ``directory``, labelled by CPU; others are reported on ``out``."""
-    results = []
+def collect(directory: str, out=sys.stderr) -> tuple[list[tuple[str, dict]], list[dict]]:
+    """Every recognised results file under ``directory``: kernel-suite results labelled by CPU, and
+    training-step results; others are reported on ``out``."""
+    results, steps = [], []
     for path in sorted(glob.glob(os.path.join(directory, "*.json")), reverse=True):  # newest CPU first by name
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict) and raw.get("kind") == "training_steps" and isinstance(raw.get("models"), list):
+            steps.append(raw)
+            continue
         try:
             data = load_results(path)
         except ResultsError as err:
             print(f"readme_table: skipping {path}: {err}", file=out)
             continue
         results.append((cpu_label(path, data), data))
-    return results
+    return results, steps
 
 
-def replace_between_markers(text: str, body: str) -> str:
-    """``text`` with everything between the results markers replaced by ``body``."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"readme_table: expected the markers {BEGIN} and {END}, in that order")
-    return text[:start + len(BEGIN)] + "\n" + body + "\n" + text[end:]
+def steps_table(steps: list[dict]) -> str:
+    """The training-step table of ``rlx-tvm bench --steps --json`` results."""
+    lines = ["| model | CPU | rlx_tvm ms | PyTorch ms | ratio | rlx_tvm GFLOP/s | slowest kernel (share of the step) |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for data in steps:
+        cpu = str(data.get("target", "?"))
+        ratios = []
+        for m in data["models"]:
+            if not isinstance(m, dict) or "error" in m or not _number(m.get("rlx_tvm")) or not _number(m.get("torch")):
+                lines.append(f"| {m.get('model', '?') if isinstance(m, dict) else '?'} | {cpu} | failed |  |  |  |  |")
+                continue
+            ratio = m["rlx_tvm"] / m["torch"]
+            ratios.append(ratio)
+            gflops = f"{m['gflop'] / m['rlx_tvm'] * 1e3:.1f}" if _number(m.get("gflop")) else ""
+            kernels = [k for k in m.get("kernels", []) if isinstance(k, dict) and _number(k.get("ms"))]
+            top = max(kernels, key=lambda k: k["ms"], default=None)
+            slowest = f"`{top['kernel']}` ({top['ms'] / m['rlx_tvm']:.0%})" if top else ""
+            lines.append(f"| {m['model']} | {cpu} | {m['rlx_tvm']:.1f} | {m['torch']:.1f} | {ratio:.2f} | {gflops} "
+                         f"| {slowest} |")
+        if ratios:
+            geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            lines.append(f"| geomean | {cpu} |  |  | **{geomean:.2f}** |  |  |")
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+    """``text`` with everything between the markers ``begin`` and ``end`` replaced by ``body``."""
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"readme_table: expected the markers {begin} and {end}, in that order")
+    return text[:start + len(begin)] + "\n" + body + "\n" + text[stop:]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=RESULTS, help="directory of rlx-tvm bench --json files")
-    parser.add_argument("--write", metavar="README", help="replace the table between the markers of this file")
+    parser.add_argument("--write", metavar="FILE", action="append",
+                        help="replace the tables between this file's markers (repeatable)")
     args = parser.parse_args(argv)
-    results = collect(args.results)
-    if not results:
+    results, steps = collect(args.results)
+    if not results and not steps:
         print(f"readme_table: no results file under {args.results}", file=sys.stderr)
         return 1
-    body = table(results)
-    if args.write is None:
-        print(body)
+    bodies = {}
+    if steps:
+        bodies[(STEPS_BEGIN, STEPS_END)] = steps_table(steps)
+    if results:
+        bodies[(BEGIN, END)] = table(results)
+    if not args.write:
+        print("\n\n".join(bodies.values()))
         return 0
-    with open(args.write) as f:
-        text = f.read()
-    try:
-        new = replace_between_markers(text, body)
-    except ValueError as err:
-        print(err, file=sys.stderr)
-        return 1
-    with open(args.write, "w") as f:
-        f.write(new)
+    for path in args.write:
+        with open(path) as f:
+            text = f.read()
+        found = [(markers, body) for markers, body in bodies.items() if markers[0] in text]
+        if not found:
+            print(f"readme_table: {path} has none of the markers {STEPS_BEGIN}, {BEGIN}", file=sys.stderr)
+            return 1
+        for (begin, end), body in found:
+            try:
+                text = replace_between_markers(text, body, begin, end)
+            except ValueError as err:
+                print(err, file=sys.stderr)
+                return 1
+        with open(path, "w") as f:
+            f.write(text)
     return 0
 
 
