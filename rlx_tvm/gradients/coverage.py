@@ -166,6 +166,8 @@ def render(case_aten_ops: dict[str, set]) -> str:
         elif needs_test:
             tests = "no test"
             untested.append(aten)
+        elif any(sources[o].startswith("no gradient") for o in ops):
+            tests = "none: no gradient yet"
         else:
             tests = "not differentiable" if ops and "." in aten else ("size arithmetic" if "." not in aten else "no op")
         emitted = ", ".join(o.replace("relax.", "") for o in ops) or "-"
