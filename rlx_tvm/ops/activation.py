@@ -2,7 +2,7 @@
 
 Each kind is a forward function (NumPy, float64: the finite-difference oracle) and its
 derivative ``f'(m, x)`` written once in the :mod:`._math` vocabulary; the fused kernel, the
-decomposition and the reference all evaluate that one formula (SPEC §3).
+decomposition and the reference all evaluate that one formula (docs/operators.md §3).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _tanh_d(m, x):
 
 def _positive_only(m, x, value):
     """``value`` where x > 0, else 0: sqrt/rsqrt have no finite derivative at or below 0, and we
-    return 0 there instead of inf/NaN (SPEC §3)."""
+    return 0 there instead of inf/NaN (docs/operators.md §3)."""
     pos = m.gt(x, m.c(0.0))
     safe = m.where(pos, x, m.ones_like(x))
     return m.where(pos, value(safe), m.zeros_like(x))
@@ -149,7 +149,7 @@ ACTIVATIONS: dict[str, Activation] = {
     "tan": Activation(np.tan, lambda m, x: m.c(1.0) / (m.cos(x) * m.cos(x)), domain=(-1.2, 1.2)),
     "atan": Activation(np.arctan, lambda m, x: m.c(1.0) / (m.c(1.0) + x * x)),
     "reciprocal": Activation(lambda x: 1 / x, lambda m, x: m.c(-1.0) / (x * x), domain=(0.1, 4.0)),
-    # Straight-through: round passes the gradient unchanged (SPEC §3, §8).
+    # Straight-through: round passes the gradient unchanged (docs/operators.md §3, §8).
     "round": Activation(np.round, lambda m, x: m.ones_like(x), matches_forward=False),
     "floor": Activation(np.floor, lambda m, x: m.zeros_like(x), matches_forward=False),
     "ceil": Activation(np.ceil, lambda m, x: m.zeros_like(x), matches_forward=False),
@@ -240,7 +240,7 @@ activation_backward = define_op(
     "activation_backward",
     inputs=("x", "dy"),
     attrs=(Attr("kind", check=check_choice(*ACTIVATION_KINDS)),),
-    doc="dy * f'(x) for an elementwise activation f (SPEC §3).",
+    doc="dy * f'(x) for an elementwise activation f (docs/operators.md §3).",
 )
 activation_backward.infer(_infer_elementwise)
 

@@ -1,6 +1,6 @@
 """Attention: ``attention(q, k, v[, bias])`` and ``attention_backward(q, k, v, dy[, bias]; wrt)``.
 
-Layout follows ``R.nn.attention`` (SPEC §5): q ``[B, Sq, H, D]``, k ``[B, Sk, Hkv, D]``,
+Layout follows ``R.nn.attention`` (docs/operators.md §5): q ``[B, Sq, H, D]``, k ``[B, Sk, Hkv, D]``,
 v ``[B, Sk, Hkv, Dv]``, out and dy ``[B, Sq, H, Dv]``; query head ``h`` reads kv head
 ``h // (H / Hkv)`` (grouped-query attention). Per (b, h)::
 
@@ -481,7 +481,7 @@ attention = define_op(
     optional_inputs=("bias",),
     attrs=_MASK_ATTRS,
     backward=False,
-    doc="softmax(softcap(scale * q k^T) + bias, masked) v with grouped-query heads (SPEC §5).",
+    doc="softmax(softcap(scale * q k^T) + bias, masked) v with grouped-query heads (docs/operators.md §5).",
 )
 
 
@@ -516,7 +516,7 @@ attention_backward = define_op(
     inputs=("q", "k", "v", "dy"),
     optional_inputs=("bias",),
     attrs=(Attr("wrt", check=check_choice("q", "k", "v")),) + _MASK_ATTRS,
-    doc="Gradient of rlx.attention with respect to q, k or v (SPEC §5); no gradient to bias.",
+    doc="Gradient of rlx.attention with respect to q, k or v (docs/operators.md §5); no gradient to bias.",
 )
 
 
@@ -709,7 +709,7 @@ def _bias_piece(bb, bias, ranges: dict):
 
 
 def _backward_calls(orig_call, output_grad, attrs):
-    """One attention_backward per q, k, v; none to the bias (SPEC §5, v1)."""
+    """One attention_backward per q, k, v; none to the bias (docs/operators.md §5, v1)."""
     q, k, v, *rest = orig_call.args
     bias = rest[0] if rest else None
     grads = [attention_backward(q, k, v, output_grad, bias, wrt=w, **attrs) for w in "qkv"]

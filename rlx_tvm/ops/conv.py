@@ -24,7 +24,7 @@ Paths: the fused kernels are gather-form ``te.compute`` reductions (race-free, a
 decompositions are ``R.nn.conv2d_transpose`` (input gradient; ``output_padding`` restores the
 dropped rows) and ``R.nn.conv2d`` with batch and channels swapped by ``permute_dims`` (weight
 gradient); they are used when every non-batch dim is static and, for the weight gradient, x and
-dy share the batch dim, else the op is kept for its fused kernel (SPEC §7, ``keep_fused``).
+dy share the batch dim, else the op is kept for its fused kernel (docs/operators.md §7, ``keep_fused``).
 
 Also registers the gradient of ``R.nn.conv2d`` (NCHW/OIHW) so that ``relax.transform.Gradient``
 emits these two ops.

@@ -1,5 +1,5 @@
 """Symmetric fake quantization: ``fake_quantize(x; bits, axis)`` and its surrogate gradient
-``fake_quantize_backward(x, dy; bits, axis, ste)`` (SPEC §2).
+``fake_quantize_backward(x, dy; bits, axis, ste)`` (docs/operators.md §2).
 
 With ``q = 2^(bits-1) - 1`` and ``m = max|x|`` (over the whole tensor when ``axis`` is None, else
 over all axes other than ``axis``, one scale per index of ``axis``), the scale is
@@ -139,7 +139,7 @@ fake_quantize = define_op(
     inputs=("x",),
     attrs=(_BITS, _AXIS, Attr("ste", "identity", check=check_choice(*STES))),
     backward=False,
-    doc="clip(round(x / s), -q, q) * s with a symmetric per-tensor or per-axis scale (SPEC §2). "
+    doc="clip(round(x / s), -q, q) * s with a symmetric per-tensor or per-axis scale (docs/operators.md §2). "
     "`ste` only chooses the estimator its gradient uses (fake_quantize_backward).",
 )
 # Its gradient rule (the STE) is not the derivative of its decomposition (round's derivative), so
@@ -200,7 +200,7 @@ fake_quantize_backward = define_op(
     "fake_quantize_backward",
     inputs=("x", "dy"),
     attrs=(_BITS, _AXIS, Attr("ste", "identity", check=check_choice(*STES))),
-    doc="Straight-through-estimator gradient of fake_quantize: identity, clipped, tanh or hardtanh (SPEC §2).",
+    doc="Straight-through-estimator gradient of fake_quantize: identity, clipped, tanh or hardtanh (docs/operators.md §2).",
 )
 
 

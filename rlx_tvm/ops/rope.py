@@ -1,4 +1,4 @@
-"""Rotary position embedding: ``rope(x, cos, sin)`` and ``rope_backward(dy, cos, sin)`` (SPEC §4).
+"""Rotary position embedding: ``rope(x, cos, sin)`` and ``rope_backward(dy, cos, sin)`` (docs/operators.md §4).
 
 Layouts: activations are ``[B, S, H*head_dim]`` or ``[B, S, H, head_dim]``; the tables ``cos`` and
 ``sin`` are ``[S, n_rot/2]`` (one row per position) or ``[B*S, n_rot/2]`` (one row per token,
@@ -13,7 +13,7 @@ orthogonal, so its transpose (the backward) is the same map with ``s -> -s``.
 
 Heads are contiguous blocks of the last dim, so viewing ``[B, S, H*head_dim]`` as
 ``[B, S, H, head_dim]`` is a plain reshape; folding heads into another axis would need a
-transpose (SPEC §8), and no path here does that.
+transpose (docs/operators.md §8), and no path here does that.
 """
 
 from __future__ import annotations
@@ -260,13 +260,13 @@ rope = define_op(
     inputs=("x", "cos", "sin"),
     attrs=_ATTRS,
     backward=False,
-    doc="Rotary position embedding of x [B, S, H*head_dim] or [B, S, H, head_dim] (SPEC §4).",
+    doc="Rotary position embedding of x [B, S, H*head_dim] or [B, S, H, head_dim] (docs/operators.md §4).",
 )
 rope_backward = define_op(
     "rope_backward",
     inputs=("dy", "cos", "sin"),
     attrs=_ATTRS,
-    doc="Transposed rotation of rope: dx = rope(dy, cos, -sin); dims >= n_rot pass through (SPEC §4).",
+    doc="Transposed rotation of rope: dx = rope(dy, cos, -sin); dims >= n_rot pass through (docs/operators.md §4).",
 )
 
 

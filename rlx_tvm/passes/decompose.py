@@ -90,7 +90,7 @@ class DecomposeBackwardOps:
             return False
         if not opdef.backward and not self.include_forward:
             return False
-        keep = opdef.extra.get("keep_fused")  # e.g. conv with a symbolic batch (SPEC §7)
+        keep = opdef.extra.get("keep_fused")  # e.g. conv with a symbolic batch (docs/operators.md §7)
         return not (keep is not None and keep(call))
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:

@@ -1,4 +1,4 @@
-"""Normalization backward ops: layer norm, RMS norm and group norm (SPEC §2).
+"""Normalization backward ops: layer norm, RMS norm and group norm (docs/operators.md §2).
 
 Notation, over the elements normalized together (one row along ``axis`` for layer/RMS norm, one
 ``(n, group)`` block of ``C/G * prod(spatial)`` elements for group norm): ``mean`` and the biased
@@ -15,8 +15,8 @@ variance ``var``, ``r = (var + eps)^(-1/2)`` (RMS norm: ``r = (mean(x^2) + eps)^
 
 The parameter vectors are laid along the normalized axis (layer/RMS) or the channel axis (group),
 never broadcast by trailing alignment alone: with a square ``[8, 8]`` input that would silently
-scale the wrong axis (SPEC §8). Parameter gradients reduce over every other axis, the batch
-included (SPEC §8: a reshape that keeps N is wrong for N > 1).
+scale the wrong axis (docs/operators.md §8). Parameter gradients reduce over every other axis, the batch
+included (docs/operators.md §8: a reshape that keeps N is wrong for N > 1).
 
 The parts: :mod:`.declarations` (signatures, type inference), :mod:`.reference` (NumPy),
 :mod:`.decomposition` (primitive Relax ops, differentiable again), :mod:`.kernels` (fused TE

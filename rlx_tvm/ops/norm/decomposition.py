@@ -117,7 +117,7 @@ def group_norm_gamma(bb, x, dy, *, num_groups, eps):
     shape = shape_of(x)
     x, dy = cast(x, dtype, acc), cast(dy, dtype, acc)
     _, xh, _, _ = _relax_group_stats(x, shape, num_groups, eps, acc)
-    # Back to [N, C, *sp] first, then reduce over the batch too (SPEC §8).
+    # Back to [N, C, *sp] first, then reduce over the batch too (docs/operators.md §8).
     return cast(sum_to_vector(dy * _op.reshape(xh, shape), shape, 1), acc, dtype)
 
 

@@ -1,4 +1,4 @@
-"""Scan with checkpointing: ``rlx.scan`` and its backward ops (SPEC §6).
+"""Scan with checkpointing: ``rlx.scan`` and its backward ops (docs/operators.md §6).
 
 ``rlx.scan`` applies a Relax function of the module (``body(carry, *x_t, *params) -> carry``) over
 the leading axis of stacked inputs ``xs``, keeping the final carry or a trajectory of ``K`` rows

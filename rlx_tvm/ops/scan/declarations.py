@@ -135,7 +135,7 @@ scan = _declare(
     ("body", "init", "*xs", "*params"),
     _COMMON_ATTRS,
     backward=False,
-    doc="Scan a Relax function over the leading axis of xs (SPEC §6).",
+    doc="Scan a Relax function over the leading axis of xs (docs/operators.md §6).",
 )
 scan.infer(_infer_scan)
 scan.reference(_scan_reference)
@@ -144,14 +144,14 @@ scan.fused(_fused_scan)
 
 _BWD_INPUTS = ("body", "vjp", "init", "trajectory", "upstream", "*xs", "*params")
 
-scan_backward = _declare("scan_backward", _BWD_INPUTS, _COMMON_ATTRS, True, "d init of rlx.scan (SPEC §6).")
+scan_backward = _declare("scan_backward", _BWD_INPUTS, _COMMON_ATTRS, True, "d init of rlx.scan (docs/operators.md §6).")
 scan_backward_xs = _declare(
     "scan_backward_xs", _BWD_INPUTS, _COMMON_ATTRS + (Attr("xs_idx", 0, check_int(lo=0)),), True,
-    "Stacked d xs[xs_idx] of rlx.scan (SPEC §6).",
+    "Stacked d xs[xs_idx] of rlx.scan (docs/operators.md §6).",
 )
 scan_backward_params = _declare(
     "scan_backward_params", _BWD_INPUTS, _COMMON_ATTRS + (Attr("param_idx", 0, check_int(lo=0)),), True,
-    "d params[param_idx] of rlx.scan, summed over the steps (SPEC §6).",
+    "d params[param_idx] of rlx.scan, summed over the steps (docs/operators.md §6).",
 )
 for _op, _which in ((scan_backward, "init"), (scan_backward_xs, "xs"), (scan_backward_params, "params")):
     _op.infer(_infer_backward(_which))

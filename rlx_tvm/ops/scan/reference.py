@@ -1,4 +1,4 @@
-"""NumPy references (float64) of the scan ops: SPEC §6 literally, segment by segment."""
+"""NumPy references (float64) of the scan ops: operators.md §6 literally, segment by segment."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _scan_reference(init, xs=None, params=None, *, body, length=None, save_traje
 
 
 def _backward_reference(init, trajectory, upstream, xs, params, body, length, save_trajectory, num_checkpoints):
-    """SPEC §6 literally (recomputing each segment from its checkpoint): (dc, [dxs], [dps])."""
+    """operators.md §6 literally (recomputing each segment from its checkpoint): (dc, [dxs], [dps])."""
     f, vjp = _np_body(body, "fn"), _np_body(body, "vjp")
     init, xs, params, L, R = _np_setup(init, xs, params, length, num_checkpoints)
     traj = np.asarray(trajectory, dtype=np.float64)

@@ -13,7 +13,7 @@ from .. import Case, GradCase
 attention_op = get_op("attention")
 
 
-# -- the definition, written independently of rlx_tvm (SPEC §5) --------------------------------
+# -- the definition, written independently of rlx_tvm (docs/operators.md §5) --------------------------------
 
 
 def attention_np(q, k, v, bias=None, *, causal_mask=None, window_size=None, scale=None, softcap=None):

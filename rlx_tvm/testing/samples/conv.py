@@ -95,7 +95,7 @@ def conv_cases(label, n, ci, co, hw, kernel, **geometry):
 
 CASES = [
     *conv_cases("basic batch 2", 2, 3, 4, (6, 5), (3, 3), padding=1),
-    # SPEC §8: stride 2 with an odd input size; row 6 and column 7 are dropped by the floor division.
+    # operators.md §8: stride 2 with an odd input size; row 6 and column 7 are dropped by the floor division.
     *conv_cases("stride 2 odd input, groups 2, batch 3", 3, 4, 6, (7, 8), (2, 3), stride=2, groups=2),
     *conv_cases("depthwise dilation 2", 2, 4, 4, (7, 7), (3, 3), stride=2, padding=1, dilation=2, groups=4),
     *conv_cases("rect, 4-tuple padding, mixed stride/dilation", 2, 2, 4, (8, 7), (3, 2),

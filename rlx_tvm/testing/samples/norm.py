@@ -116,7 +116,7 @@ CASES = [
     *group_cases((3, 6, 3, 2), "N=3, 2d", num_groups=3, eps=1e-3),
     *group_cases((2, 4, 2, 3, 2), "N=2, 3d, instance-like", which=("input",), num_groups=4),
 ]
-# SPEC §8 traps. Rows == features: gamma goes along the normalized axis (CASES has the [8, 8]
+# operators.md §8 traps. Rows == features: gamma goes along the normalized axis (CASES has the [8, 8]
 # last-axis and [4, 4, 4] middle-axis cases; these are the other axes).
 SQUARE_CASES = [
     *layer_cases((8, 8), "square, axis 0", which=("input",), axis=0),

@@ -1,5 +1,5 @@
 """Samples of max_pool2d_backward (finite differences of an independent NumPy max_pool2d, a naive
-per-window definition of its gradient), the SPEC §8 trap inputs (ties, padding, overlapping
+per-window definition of its gradient), the operators.md §8 trap inputs (ties, padding, overlapping
 windows on large inputs, ceil_mode), and the gradient rule of R.nn.max_pool2d."""
 
 import numpy as np
@@ -108,7 +108,7 @@ CASES = [
 CASE_BY_NAME = {c.name: c for c in CASES}
 
 
-# -- SPEC §8 traps: the trap tests' inputs, also checked like every sample ----------------------
+# -- operators.md §8 traps: the trap tests' inputs, also checked like every sample ----------------------
 
 
 def trap_case(label, x, dy=None, **attrs):

@@ -15,7 +15,7 @@ RNG = np.random.default_rng(5)
 STES = ("identity", "clipped", "tanh", "hardtanh")
 
 
-# -- an independent NumPy implementation of SPEC §2, written literally ----------------------------
+# -- an independent NumPy implementation of operators.md §2, written literally ----------------------------
 
 
 def spec_scale(x, bits, axis):
@@ -52,7 +52,7 @@ def spec_backward(x, dy, bits, axis=None, ste="identity"):
 def quant_input(shape, bits, axis=None, rng=RNG):
     """Random values whose slices (along ``axis``, or the whole tensor) differ in magnitude by
     powers of 4, each with its max|x| an exact multiple of q, so that ``m / q * q == m`` holds in
-    every float dtype (the SPEC's literal ``q*s`` then equals the max exactly), and with no
+    every float dtype (the contract's literal ``q*s`` then equals the max exactly), and with no
     element within 2% of a step of a rounding tie (float32 and float64 round alike)."""
     q = 2 ** (bits - 1) - 1
     x = rng.uniform(-1, 1, shape)
