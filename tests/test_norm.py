@@ -11,7 +11,7 @@ from tvm.script import tirx as T
 
 from rlx_tvm import autodiff, ops
 from rlx_tvm.ops import get_op
-from rlx_tvm.testing import CHECK_TARGET, Case, check_gradients, finite_difference_vjp, run_cases
+from rlx_tvm.testing import CHECK_TARGET, Case, check_gradients, compare, finite_difference_vjp, run_cases
 from rlx_tvm.testing.samples import outputs
 from rlx_tvm.testing.samples.norm import (
     CASES, GRAD_CASES, GROUP_BATCH_CASES, SQUARE_CASES, group_cases, layer_cases, layer_norm, normal,
@@ -470,7 +470,7 @@ def test_dx_computed_together_uses_its_own_gamma():
     """RMS norm's dgamma op takes a gamma too (which does not enter it): computed together with a
     dx, the kernel uses the dx call's gamma, whichever call comes first."""
     import rlx_tvm
-    from rlx_tvm.testing import as_tensors, compare
+    from rlx_tvm.testing import as_tensors
 
     x, dy, g_dx, g_other, beta = normal(16, 32), normal(16, 32), scales(32), scales(32), normal(32)
     params = [tensor_var(n, a.shape, "float64") for n, a in
