@@ -1,13 +1,21 @@
 """Every kernel of a training step gets a parallel schedule, and the CPU rules compute the right thing.
 
-The training steps are the small variants of :mod:`rlx_tvm.step_bench`'s models (PyTorch modules
-imported with ``from_exported_program``, differentiated, compiled for this CPU): each kernel above
-1 MFLOP must run a parallel loop, and the step's loss and gradients must match PyTorch's. The rule
+The training steps are the small variants of :mod:`rlx_tvm.bench.steps`'s models (PyTorch modules
+compiled through :func:`rlx_tvm.torch.compile_train_step` for this CPU): each kernel above 1 MFLOP
+must run a parallel loop, and the step's loss and gradients must match PyTorch's. The models are
+compiled in one fresh process, as ``rlx-tvm bench --steps`` compiles them: in a process that ran
+much of the rest of the suite first, TVM's FuseTIR has been seen to fail on the causal decoder's
+step ("buffer_idx == buffers.size()"), a state-dependence not yet pinned down. The rule
 checks build one Relax module of matrix products, convolutions, reductions, softmax, pooling and
 transposes, compile it once and compare every output with NumPy.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -41,27 +49,53 @@ def _flops(func: tirx.PrimFunc) -> float:
                          default=0))
 
 
-@pytest.mark.parametrize("name", list(step_bench.STEP_MODELS))
-def test_training_step_kernels_are_parallel_and_match_torch(name):
+def check_step_model(name: str) -> list[str]:
+    """What is wrong with the small ``name`` model's compiled step (empty: nothing)."""
+    problems = []
     step = step_bench.compile_step(name, "small")
     serial = [(gv.name_hint, _flops(f)) for gv, f in step.lowered().functions.items()
               if isinstance(f, tirx.PrimFunc) and not _has_parallel_loop(f)]
     big = [(n, f) for n, f in serial if f > MIN_FLOPS]
-    assert not big, f"{name}: kernels above {MIN_FLOPS:.0e} FLOP without a parallel loop: {big}"
+    if big:
+        problems.append(f"kernels above {MIN_FLOPS:.0e} FLOP without a parallel loop: {big}")
 
     loss = step.run()  # rlx_tvm's step: the loss and gradients at the initial weights, then the update
     model, inputs = step.torch_model, step.torch_inputs  # an untouched copy of the initial weights
     model.zero_grad(set_to_none=True)
     ref = model(*inputs)
     ref.backward()
-    np.testing.assert_allclose(loss, ref.item(), rtol=1e-4, atol=1e-5)
+    checks = [("loss", lambda: np.testing.assert_allclose(loss, ref.item(), rtol=1e-4, atol=1e-5))]
     grads = step.step.grads
     params = dict(model.named_parameters())
-    assert sorted(grads) == sorted(params)
+    if sorted(grads) != sorted(params):
+        problems.append(f"gradients of {sorted(grads)}, expected {sorted(params)}")
     for pname, p in params.items():
         want = p.grad.numpy()
-        np.testing.assert_allclose(grads[pname], want, rtol=2e-3, atol=2e-4 * max(1.0, float(np.abs(want).max())),
-                                   err_msg=f"{name}: gradient of {pname}")
+        if pname in grads:
+            checks.append((pname, lambda got=grads[pname], want=want: np.testing.assert_allclose(
+                got, want, rtol=2e-3, atol=2e-4 * max(1.0, float(np.abs(want).max())))))
+    for label, check in checks:
+        try:
+            check()
+        except AssertionError as err:
+            problems.append(f"{label}: {err}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def step_model_problems():
+    """``check_step_model`` of every model, run in one fresh process."""
+    code = ("import json, sys; from tests.test_step_kernels import check_step_model, step_bench; "
+            "json.dump({n: check_step_model(n) for n in step_bench.STEP_MODELS}, sys.stdout)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(step_bench.STEP_MODELS))
+def test_training_step_kernels_are_parallel_and_match_torch(step_model_problems, name):
+    assert step_model_problems[name] == [], f"{name}: " + "\n".join(step_model_problems[name])
 
 
 def _conv2d_ref(x, w, stride, padding, dilation, groups):
