@@ -8,6 +8,7 @@ gather-style scatter kernels.
 
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
@@ -42,7 +43,18 @@ class ParallelFallback(CPUScheduleRule):
         sch, blocks = found
         cpu = CPU.of(target)
         for info in blocks:
-            if not any(rule.schedule_block(sch, info, cpu) for rule in BLOCK_RULES):
+            for rule in BLOCK_RULES:
+                trial = sch.copy()  # a rule that raises leaves no half-made change behind
+                try:
+                    done = rule.schedule_block(trial, info, cpu)
+                except (s_tir.ScheduleError, tvm.error.InternalError):
+                    # e.g. TVM 0.27's rfactor failing an internal check on a reduction fused
+                    # with broadcasts (a causal decoder's gradient): the next rule takes the block.
+                    continue
+                sch = trial
+                if done:
+                    break
+            else:
                 shape = block_shape(sch, info)
                 if shape is not None:
                     parallel(sch, shape.lead, self.min_parallel_extent)
