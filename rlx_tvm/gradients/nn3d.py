@@ -12,20 +12,12 @@
 from __future__ import annotations
 
 import numpy as np
-from tvm import relax, tirx
+from tvm import relax
 
 from ._rule import rule
+from .nn_extra import _static
 
 op = relax.op
-
-
-def _static(expr, what: str, name: str) -> list[int]:
-    dims = []
-    for d in expr.ty.shape.values:
-        if not isinstance(d, tirx.IntImm):
-            raise ValueError(f"gradient of {name}: {what} must have a static shape, got {expr.ty}")
-        dims.append(int(d))
-    return dims
 
 
 def _ints(values) -> list[int]:

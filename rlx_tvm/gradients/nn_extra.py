@@ -23,6 +23,7 @@ op = relax.op
 
 
 def _static(expr, what: str, name: str) -> list[int]:
+    """The static shape of ``expr``; a clear error naming the op ``name`` and ``what`` otherwise."""
     dims = []
     for d in expr.ty.shape.values:
         if not isinstance(d, tirx.IntImm):

@@ -7,6 +7,7 @@ import numpy as np
 from tvm import relax
 
 from .. import Case, GradCase
+from ._util import pair, pads
 
 RNG = np.random.default_rng(11)
 
@@ -14,22 +15,13 @@ RNG = np.random.default_rng(11)
 # -- an independent NumPy conv2d (float64), straight from the definition ------------------------
 
 
-def _pair(v):
-    return (v, v) if isinstance(v, int) else tuple(v)
-
-
-def _pads(p):
-    """(top, left, bottom, right) from an int, an (h, w) pair or the 4-tuple itself."""
-    if isinstance(p, int):
-        return (p, p, p, p)
-    return (p[0], p[1], p[0], p[1]) if len(p) == 2 else tuple(p)
 
 
 def conv2d(x, w, *, stride=1, padding=0, dilation=1, groups=1):
     """y[n, co, oy, ox] = sum_{c, i, j} x[n, g*Cig + c, oy*s - pt + i*d, ox*s - pl + j*d] * w[co, c, i, j],
     zero outside x, with g = co // (Co/G): one term per kernel tap (i, j)."""
-    (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
-    pt, pl, pb, pr = _pads(padding)
+    (sh, sw), (dh, dw) = pair(stride), pair(dilation)
+    pt, pl, pb, pr = pads(padding)
     n, ci, h, wd = x.shape
     co, cig, kh, kw = w.shape
     xp = np.zeros((n, groups, cig, h + pt + pb, wd + pl + pr))

@@ -6,6 +6,7 @@ import numpy as np
 from tvm import relax
 
 from .. import Case, GradCase
+from ._util import pair, pads
 
 RNG = np.random.default_rng(5)
 
@@ -13,14 +14,6 @@ RNG = np.random.default_rng(5)
 # -- an independent NumPy max_pool2d and its gradient, window by window --------------------------
 
 
-def _pair(v):
-    return (v, v) if isinstance(v, int) else tuple(v)
-
-
-def _pads(p):
-    if isinstance(p, int):
-        return (p, p, p, p)
-    return (p[0], p[1], p[0], p[1]) if len(p) == 2 else tuple(p)
 
 
 def pooled_size(size, before, after, k, s, d, ceil_mode):
@@ -35,9 +28,9 @@ def pooled_size(size, before, after, k, s, d, ceil_mode):
 def pool_windows(shape, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False):
     """For each window (oy, ox): its real (in-input) positions in row-major window order."""
     h, w = shape[2:]
-    (kh, kw), (dh, dw) = _pair(kernel_size), _pair(dilation)
-    sh, sw = _pair(stride if stride is not None else kernel_size)
-    pt, pl, pb, pr = _pads(padding)
+    (kh, kw), (dh, dw) = pair(kernel_size), pair(dilation)
+    sh, sw = pair(stride if stride is not None else kernel_size)
+    pt, pl, pb, pr = pads(padding)
     ho = pooled_size(h, pt, pb, kh, sh, dh, ceil_mode)
     wo = pooled_size(w, pl, pr, kw, sw, dw, ceil_mode)
     out = {}
